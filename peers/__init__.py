@@ -1,0 +1,1 @@
+"""The peer society: who is who, routing choice, strikes and exclusion."""

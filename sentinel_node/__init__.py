@@ -1,0 +1,1 @@
+"""sentinel-node: a volunteer-computing node for pipeline-parallel LLM training, verified by SENTINEL."""

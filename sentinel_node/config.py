@@ -1,0 +1,198 @@
+"""Every configurable value of a swarm, with its default, in one place.
+
+A swarm config is a YAML file (``configs/tiny.yaml``) read into :class:`SwarmConfig`. Unknown or mistyped keys are
+rejected with the offending field named, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+
+
+class ConfigError(ValueError):
+    """A config file or value is invalid; the message names the field and what to do."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelConfig(_Strict):
+    """A Llama-style decoder; the tiny default trains on a CPU in minutes."""
+
+    vocab_size: int = Field(256, ge=2, description="bytes: 256")
+    hidden_size: int = Field(128, ge=8)
+    intermediate_size: int = Field(344, ge=8)
+    n_layers: int = Field(4, ge=1)
+    n_heads: int = Field(4, ge=1)
+    n_kv_heads: int = Field(4, ge=1)
+    rope_theta: float = Field(10000.0, gt=0)
+    rms_norm_eps: float = Field(1e-5, gt=0)
+    init_std: float = Field(0.02, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.hidden_size % self.n_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
+        return self
+
+
+class PipelineConfig(_Strict):
+    """How the model is cut into stages and how each global step is made of microbatches."""
+
+    n_stages: int = Field(4, ge=2)
+    microbatch_size: int = Field(8, ge=1, description="sequences per microbatch")
+    seq_len: int = Field(64, ge=2, description="tokens per sequence")
+    microbatches_per_step: int = Field(4, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    warmup_steps: int = Field(20, ge=0, description="linear learning-rate warm-up, in global steps")
+    average_every: int = Field(5, ge=1, description="replicas of a stage average parameters every this many steps")
+    compression: Literal["none", "float16", "blockwise_8bit"] = "none"
+    max_tensor_mib: float = Field(64.0, gt=0, description="largest tensor a node accepts from the network")
+
+
+class VerificationConfig(_Strict):
+    """SENTINEL's knobs (DESIGN.md section 3); defaults are the paper's where it gives one."""
+
+    beta_act: float = Field(0.9, gt=0, lt=1, description="EMA decay of activation baselines")
+    beta_grad: float = Field(0.8, gt=0, lt=1, description="EMA decay of gradient baselines")
+    n_projections: int = Field(16, ge=1, description="random directions for the sliced Wasserstein distance")
+    n_quantiles: int = Field(33, ge=3, description="quantile levels per projection")
+    spectral_rank: int = Field(4, ge=1, description="singular values counted as the tensor's dominant energy")
+    window: int = Field(128, ge=8, description="accepted scores kept per metric for the adaptive threshold")
+    fence_k: float = Field(3.0, gt=0, description="threshold = Q3 + k * IQR")
+    fence_space: Literal["log", "linear"] = Field(
+        "log", description="fence on log-scores (scores are skewed, see docs/decisions.md) or raw scores"
+    )
+    floor: float = Field(1e-6, ge=0, description="smallest threshold, so a flat window cannot flag noise")
+    warmup: int = Field(50, ge=1, description="accepted tensors per boundary before anything can be flagged")
+    strike_limit: int = Field(3, ge=1, description="S: strikes at which a sender is banned")
+    forgive_after: int = Field(100, ge=1, description="F: clean checks that forgive one strike")
+    drift_window: int = Field(
+        32, ge=0, description="checks per sender in the persistent-drift test (0 disables it)"
+    )
+    drift_limit: float = Field(
+        0.5, gt=0, description="mean log-excess over the median that a sender may sustain over the drift window"
+    )
+    replacement: Literal["ema", "zero", "drop"] = "ema"
+
+
+class SwarmConfig(_Strict):
+    """The DHT society: who is trusted, how long records live."""
+
+    prefix: str = Field("sentinel-tiny", min_length=1, pattern=r"^[A-Za-z0-9_-]+$")
+    seed: int = Field(0, description="seeds the shared random projections and the model's initialization")
+    trusted_verifiers: list[str] = Field(default_factory=list, description="public keys or peer ids")
+    ban_quorum: int = Field(2, ge=1)
+    strike_ttl: float = Field(86400.0, gt=0, description="seconds a strike record (and an exclusion) lives")
+    announce_period: float = Field(5.0, gt=0, description="seconds between announcement refreshes")
+    announce_ttl: float = Field(20.0, gt=0, description="seconds an announcement lives unless refreshed")
+    request_timeout: float = Field(5.0, gt=0, description="seconds a DHT read may take")
+
+    @model_validator(mode="after")
+    def _quorum_open_set(self) -> SwarmConfig:
+        if not self.trusted_verifiers and self.ban_quorum < 2:
+            raise ValueError(
+                "ban_quorum must be at least 2 with an open verifier set (trusted_verifiers empty), "
+                "so that one lying verifier cannot frame an honest peer"
+            )
+        if self.trusted_verifiers and self.ban_quorum > len(self.trusted_verifiers):
+            raise ValueError(
+                f"ban_quorum={self.ban_quorum} exceeds the {len(self.trusted_verifiers)} trusted verifiers: "
+                "no peer could ever be excluded"
+            )
+        return self
+
+
+class DataConfig(_Strict):
+    path: str | None = Field(None, description="a directory of text files; None: the embedded corpus")
+    val_fraction: float = Field(0.05, gt=0, lt=0.5, description="share of files held out for validation")
+    max_bytes: int = Field(16 * 2**20, ge=2**16, description="bytes read from the corpus")
+
+
+class SimConfig(_Strict):
+    """The in-process DP x PP mesh (sentinel_node/sim)."""
+
+    replicas: int = Field(4, ge=1, description="data-parallel replicas per stage")
+    malicious_fraction: float = Field(0.25, ge=0, lt=0.5, description="share of each stage's replicas that attack")
+    attack_first_stage: bool = False
+    attack_last_stage: bool = False
+    steps: int = Field(150, ge=1)
+    attack_start: int = Field(60, ge=0, description="global step at which attackers start")
+    attack_probability: float = Field(1.0, gt=0, le=1)
+    verifiers_per_boundary: int = Field(1, ge=1)
+    eval_every: int = Field(10, ge=1)
+    eval_batches: int = Field(4, ge=1)
+
+
+class Config(_Strict):
+    model: ModelConfig = ModelConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    verification: VerificationConfig = VerificationConfig()
+    swarm: SwarmConfig = SwarmConfig()
+    data: DataConfig = DataConfig()
+    sim: SimConfig = SimConfig()
+
+    @model_validator(mode="after")
+    def _stages_have_layers(self) -> Config:
+        if self.model.n_layers < self.pipeline.n_stages:
+            raise ValueError(
+                f"model.n_layers={self.model.n_layers} is fewer than pipeline.n_stages={self.pipeline.n_stages}: "
+                "every stage needs at least one layer"
+            )
+        return self
+
+    def swarm_hash(self) -> str:
+        """A short digest of everything peers must agree on (not the simulator or data settings)."""
+        shared = self.model_dump(include={"model", "pipeline", "verification", "swarm"})
+        blob = json.dumps(shared, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def with_overrides(self, **sections: dict) -> Config:
+        """A copy with some fields of some sections replaced, validated like a file."""
+        data = self.model_dump()
+        for section, values in sections.items():
+            data[section].update(values)
+        return parse_config(data, source="overrides")
+
+
+def parse_config(data: dict, source: str = "config") -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            if err["type"] == "extra_forbidden":
+                problems.append(f"{where}: unknown key (check its spelling against configs/tiny.yaml)")
+            else:
+                problems.append(f"{where}: {err['msg']}")
+        raise ConfigError(f"invalid {source}:\n  " + "\n  ".join(problems)) from None
+
+
+def load_config(path: str | Path | None = None) -> Config:
+    """Reads a YAML config; None reads the tiny default."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG_PATH
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror}; pass --config with an existing YAML file") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping of sections (model, pipeline, ...), not {type(data).__name__}")
+    return parse_config(data, source=f"config {path}")
