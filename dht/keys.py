@@ -1,0 +1,54 @@
+"""The swarm's key schema (DESIGN.md section 6): every record lives under one prefix.
+
+| key                         | subkey             | value                 |
+|-----------------------------|--------------------|-----------------------|
+| ``{prefix}.stage.{k}``      | author's owner tag | StageAnnouncement     |
+| ``{prefix}.verifiers``      | author's owner tag | VerifierAnnouncement  |
+| ``{prefix}.trainers``       | author's owner tag | TrainerAnnouncement   |
+| ``{prefix}.bootstraps``     | author's owner tag | BootstrapAnnouncement |
+| ``{prefix}.strikes.{peer}`` | verifier owner tag | StrikeRecord          |
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+# Validators must agree across the swarm without reading its config, so stage keys are recognised up to a fixed
+# bound rather than up to the config's n_stages.
+MAX_STAGES = 1024
+
+
+@dataclass(frozen=True)
+class SwarmKeys:
+    """The DHT keys of one swarm, all under ``prefix``."""
+
+    prefix: str
+
+    def __post_init__(self) -> None:
+        if not PREFIX_PATTERN.match(self.prefix):
+            raise ValueError(
+                f"swarm prefix {self.prefix!r} must be non-empty and use only letters, digits, '-' and '_'"
+            )
+
+    def stage(self, index: int) -> str:
+        if not 0 <= index < MAX_STAGES:
+            raise ValueError(f"stage index {index} is outside [0, {MAX_STAGES})")
+        return f"{self.prefix}.stage.{index}"
+
+    @property
+    def verifiers(self) -> str:
+        return f"{self.prefix}.verifiers"
+
+    @property
+    def trainers(self) -> str:
+        return f"{self.prefix}.trainers"
+
+    @property
+    def bootstraps(self) -> str:
+        return f"{self.prefix}.bootstraps"
+
+    def strikes(self, accused: str) -> str:
+        return f"{self.prefix}.strikes.{accused}"

@@ -1,0 +1,161 @@
+"""The records of the swarm, as strictly typed pydantic.v1 models (hivemind's validators speak pydantic.v1).
+
+Every record names its author (``peer_id``, or ``verifier`` for a strike record); the DHT accepts it only under
+the author's own owner-tag subkey and only under the key its content implies (:meth:`SwarmRecord.key`). Types are
+strict: an int where a float is due is refused rather than converted, so a record means the same to every reader.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal, Optional
+
+import pydantic.v1 as pydantic
+from pydantic.v1 import StrictBool, StrictFloat, confloat, conint, conlist, constr
+
+from dht.keys import MAX_STAGES, SwarmKeys
+
+PeerIdStr = constr(strict=True, regex=r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")  # base58, as libp2p prints peer ids
+ShortStr = constr(strict=True, max_length=128)
+Maddr = constr(strict=True, min_length=1, max_length=512)
+Throughput = confloat(strict=True, ge=0)  # NaN fails ge=0, which is what we want
+Count = conint(strict=True, ge=0)
+StageIndex = conint(strict=True, ge=0, lt=MAX_STAGES)
+
+State = Literal["joining", "online", "offline"]
+Direction = Literal["activation", "gradient"]
+
+MAX_METRICS = 64
+
+
+class SwarmRecord(pydantic.BaseModel):
+    """Fields every record carries."""
+
+    author_field: ClassVar[str] = "peer_id"
+
+    kind: str
+    config_hash: ShortStr
+    version: ShortStr
+    time: StrictFloat  # the author's hivemind.get_dht_time() when it wrote the record
+
+    class Config:
+        extra = pydantic.Extra.forbid
+        allow_mutation = False
+
+    @property
+    def author(self) -> str:
+        return getattr(self, self.author_field)
+
+    def key(self, keys: SwarmKeys) -> str:
+        """The only DHT key under which this record may be stored."""
+        raise NotImplementedError
+
+    def replace(self, **changes) -> SwarmRecord:
+        """A validated copy with some fields changed (pydantic.v1's ``copy(update=...)`` does not validate)."""
+        return type(self).parse_obj({**self.dict(), **changes})
+
+
+class Announcement(SwarmRecord):
+    """A live node saying where it is and how fast it works; refreshed while the node lives."""
+
+    peer_id: PeerIdStr
+    maddrs: conlist(Maddr, max_items=32)
+    state: State
+    relayed: StrictBool  # reachable only through a relay: slower, routed to only when no direct peer is left
+    throughput: Throughput
+
+
+class StageAnnouncement(Announcement):
+    kind: Literal["stage"] = "stage"
+    stage: StageIndex
+
+    def key(self, keys: SwarmKeys) -> str:
+        return keys.stage(self.stage)
+
+
+class VerifierAnnouncement(Announcement):
+    kind: Literal["verifier"] = "verifier"
+    boundaries: conlist(StageIndex, max_items=MAX_STAGES)  # boundary b sits between stage b and stage b+1
+
+    def key(self, keys: SwarmKeys) -> str:
+        return keys.verifiers
+
+
+class TrainerAnnouncement(Announcement):
+    kind: Literal["trainer"] = "trainer"
+    global_step: Count
+    loss: Optional[StrictFloat] = None
+
+    def key(self, keys: SwarmKeys) -> str:
+        return keys.trainers
+
+
+class BootstrapAnnouncement(Announcement):
+    kind: Literal["bootstrap"] = "bootstrap"
+
+    def key(self, keys: SwarmKeys) -> str:
+        return keys.bootstraps
+
+
+class StrikeRecord(SwarmRecord):
+    """One verifier's standing verdict on one peer; a newer record from the same verifier replaces it."""
+
+    author_field: ClassVar[str] = "verifier"
+
+    kind: Literal["strike"] = "strike"
+    verifier: PeerIdStr
+    accused: PeerIdStr
+    boundary: StageIndex
+    direction: Direction
+    strikes: Count
+    checks: Count
+    flags: Count
+    metrics: dict[constr(strict=True, max_length=64), StrictFloat]
+    banned: StrictBool
+
+    @pydantic.validator("metrics")
+    def _few_metrics(cls, metrics: dict) -> dict:
+        if len(metrics) > MAX_METRICS:
+            raise ValueError(f"at most {MAX_METRICS} metrics, got {len(metrics)}")
+        return metrics
+
+    def key(self, keys: SwarmKeys) -> str:
+        return keys.strikes(self.accused)
+
+
+RECORD_TYPES: dict[str, type[SwarmRecord]] = {
+    "stage": StageAnnouncement,
+    "verifier": VerifierAnnouncement,
+    "trainer": TrainerAnnouncement,
+    "bootstrap": BootstrapAnnouncement,
+    "strike": StrikeRecord,
+}
+
+# Caps on how long a record may claim to live, against records that would never expire; generous because
+# validators must agree across the swarm without reading its config.
+MAX_TTL: dict[str, float] = {
+    "stage": 86400.0,
+    "verifier": 86400.0,
+    "trainer": 86400.0,
+    "bootstrap": 86400.0,
+    "strike": 30 * 86400.0,
+}
+
+
+def parse_record(value: object) -> SwarmRecord:
+    """The record a DHT value holds, exactly as written; ValueError if it is not a well-formed record.
+
+    Beyond pydantic's checks, the value must equal the parsed record field for field, so defaults filled in or
+    values converted on parsing count as malformed (the same rule as hivemind's SchemaValidator).
+    """
+    if not isinstance(value, dict):
+        raise ValueError(f"a record is a dict, got {type(value).__name__}")
+    record_type = RECORD_TYPES.get(value.get("kind"))
+    if record_type is None:
+        raise ValueError(f"unknown record kind {value.get('kind')!r}; expected one of {sorted(RECORD_TYPES)}")
+    try:
+        record = record_type.parse_obj(value)
+    except pydantic.ValidationError as e:
+        raise ValueError(f"malformed {value['kind']} record: {e}") from None
+    if record.dict() != value:
+        raise ValueError(f"{value['kind']} record needs conversions or defaults to fit its schema: {value}")
+    return record
