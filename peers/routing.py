@@ -1,0 +1,117 @@
+"""The routing choice: for each stage a replica and for each boundary a verifier (DESIGN.md section 5).
+
+Candidates are live (online, not excluded), not suspended by the liveness blacklist and not in the caller's
+``avoid`` set; direct peers are preferred over relayed ones, and among those the pick is weighted by announced
+throughput, so faster peers get proportionally more microbatches.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from dht.records import Announcement, StageAnnouncement, VerifierAnnouncement
+from peers.liveness import LivenessBlacklist
+from peers.view import SwarmView
+
+A = TypeVar("A", bound=Announcement)
+
+# A peer announcing zero throughput (just joined, not measured yet) still gets this share of the fastest weight.
+MIN_WEIGHT_SHARE = 0.01
+
+
+class NoRouteError(RuntimeError):
+    """Some stage or boundary has no usable peer; the message names it and why."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """``stages[k]`` serves stage k; ``verifiers[b]`` checks boundary b (between stage b and b + 1)."""
+
+    stages: tuple[StageAnnouncement, ...]
+    verifiers: tuple[VerifierAnnouncement, ...]
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        """Peer ids in call order: stage 0, verifier 0|1, stage 1, ..."""
+        order = []
+        for k, stage in enumerate(self.stages):
+            order.append(stage.peer_id)
+            if k < len(self.verifiers):
+                order.append(self.verifiers[k].peer_id)
+        return tuple(order)
+
+
+def pick(
+    candidates: Sequence[A],
+    rng: random.Random,
+    blacklist: LivenessBlacklist | None = None,
+    avoid: Collection[str] = (),
+) -> A | None:
+    """One usable candidate (direct before relayed, weighted by throughput), or None if none is usable."""
+    usable = [c for c in candidates if c.peer_id not in avoid and (blacklist is None or c.peer_id not in blacklist)]
+    direct = [c for c in usable if not c.relayed]
+    pool = direct or usable
+    if not pool:
+        return None
+    fastest = max(c.throughput for c in pool)
+    if fastest <= 0:
+        return rng.choice(pool)
+    weights = [max(c.throughput, fastest * MIN_WEIGHT_SHARE) for c in pool]
+    return rng.choices(pool, weights=weights, k=1)[0]
+
+
+def pick_replica(
+    view: SwarmView,
+    stage: int,
+    rng: random.Random,
+    blacklist: LivenessBlacklist | None = None,
+    avoid: Collection[str] = (),
+) -> StageAnnouncement:
+    """A replica of ``stage`` (e.g. to retry a hop on another candidate); NoRouteError if none is usable."""
+    chosen = pick(view.live_replicas(stage), rng, blacklist, avoid)
+    if chosen is None:
+        raise NoRouteError(f"no usable replica of stage {stage}: {_why(view.stages.get(stage, {}).values(), view)}")
+    return chosen
+
+
+def pick_verifier(
+    view: SwarmView,
+    boundary: int,
+    rng: random.Random,
+    blacklist: LivenessBlacklist | None = None,
+    avoid: Collection[str] = (),
+) -> VerifierAnnouncement:
+    """A verifier of ``boundary``; NoRouteError if none is usable."""
+    chosen = pick(view.live_verifiers(boundary), rng, blacklist, avoid)
+    if chosen is None:
+        serving = [v for v in view.verifiers.values() if boundary in v.boundaries]
+        raise NoRouteError(f"no usable verifier on boundary {boundary}|{boundary + 1}: {_why(serving, view)}")
+    return chosen
+
+
+def choose_route(
+    view: SwarmView,
+    rng: random.Random | None = None,
+    blacklist: LivenessBlacklist | None = None,
+    avoid: Collection[str] = (),
+) -> Route:
+    """A full route through every stage and boundary of ``view``; NoRouteError naming the first gap."""
+    rng = rng or random.Random()
+    stages = tuple(pick_replica(view, k, rng, blacklist, avoid) for k in range(view.n_stages))
+    verifiers = tuple(pick_verifier(view, b, rng, blacklist, avoid) for b in range(view.n_stages - 1))
+    return Route(stages, verifiers)
+
+
+def _why(announced: Collection[Announcement], view: SwarmView) -> str:
+    if not announced:
+        return "none announced"
+    states = {}
+    for a in announced:
+        reason = "excluded" if view.is_excluded(a.peer_id) else a.state
+        states[reason] = states.get(reason, 0) + 1
+    return (
+        f"{len(announced)} announced (" + ", ".join(f"{n} {s}" for s, n in sorted(states.items())) + "), none usable"
+    )

@@ -1,0 +1,153 @@
+"""The node's view of the swarm, rebuilt from DHT records: who serves what, who is struck, who is excluded."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from hivemind.utils import get_dht_time, get_logger
+
+from dht.keys import MAX_STAGES
+from dht.records import (
+    Announcement,
+    BootstrapAnnouncement,
+    StageAnnouncement,
+    StrikeRecord,
+    TrainerAnnouncement,
+    VerifierAnnouncement,
+)
+from dht.store import RecordStore
+from peers.ledger import StrikeLedger
+from peers.policy import Exclusion, ExclusionPolicy
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Health:
+    """What keeps the pipeline from running: stages nobody serves, boundaries nobody verifies."""
+
+    stages_without_replica: tuple[int, ...]
+    boundaries_without_verifier: tuple[int, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.stages_without_replica and not self.boundaries_without_verifier
+
+    def summary(self) -> str:
+        if self.ok:
+            return "healthy: every stage has a live replica and every boundary a verifier"
+        problems = []
+        if self.stages_without_replica:
+            problems.append("no live replica for stage " + ", ".join(map(str, self.stages_without_replica)))
+        if self.boundaries_without_verifier:
+            names = ", ".join(f"{b}|{b + 1}" for b in self.boundaries_without_verifier)
+            problems.append("no verifier on boundary " + names)
+        return "degraded: " + "; ".join(problems)
+
+
+@dataclass(frozen=True)
+class SwarmView:
+    """A snapshot of the swarm. Boundary ``b`` sits between stage ``b`` and stage ``b + 1``.
+
+    Announcements are listed whatever their state; "live" means online and not excluded.
+    """
+
+    n_stages: int
+    stages: Mapping[int, Mapping[str, StageAnnouncement]] = field(default_factory=dict)
+    verifiers: Mapping[str, VerifierAnnouncement] = field(default_factory=dict)
+    trainers: Mapping[str, TrainerAnnouncement] = field(default_factory=dict)
+    bootstraps: Mapping[str, BootstrapAnnouncement] = field(default_factory=dict)
+    ledger: StrikeLedger = field(default_factory=StrikeLedger)
+    excluded: Mapping[str, Exclusion] = field(default_factory=dict)
+    time: float = 0.0  # hivemind.get_dht_time() when the reads finished
+
+    def is_excluded(self, peer: str) -> bool:
+        return peer in self.excluded
+
+    def is_live(self, announcement: Announcement) -> bool:
+        return announcement.state == "online" and not self.is_excluded(announcement.peer_id)
+
+    def live_replicas(self, stage: int) -> list[StageAnnouncement]:
+        return [a for _, a in sorted(self.stages.get(stage, {}).items()) if self.is_live(a)]
+
+    def live_verifiers(self, boundary: int) -> list[VerifierAnnouncement]:
+        return [a for _, a in sorted(self.verifiers.items()) if boundary in a.boundaries and self.is_live(a)]
+
+    def announcements(self) -> list[Announcement]:
+        """Every announcement, bootstraps first, then stages in order, verifiers, trainers."""
+        found: list[Announcement] = [a for _, a in sorted(self.bootstraps.items())]
+        for stage in sorted(self.stages):
+            found += [a for _, a in sorted(self.stages[stage].items())]
+        found += [a for _, a in sorted(self.verifiers.items())]
+        found += [a for _, a in sorted(self.trainers.items())]
+        return found
+
+    def health(self) -> Health:
+        return Health(
+            stages_without_replica=tuple(k for k in range(self.n_stages) if not self.live_replicas(k)),
+            boundaries_without_verifier=tuple(b for b in range(self.n_stages - 1) if not self.live_verifiers(b)),
+        )
+
+
+class SwarmWatcher:
+    """Builds :class:`SwarmView` snapshots from the DHT; each :meth:`refresh` is two bounded rounds of reads.
+
+    Strike records are kept per accused peer, so the watcher asks about every announced peer, plus peers it saw
+    accused before (a banned peer that stops announcing stays excluded while the bans live).
+    """
+
+    def __init__(self, store: RecordStore, n_stages: int, policy: ExclusionPolicy):
+        if not 1 <= n_stages <= MAX_STAGES:
+            raise ValueError(f"n_stages must be in [1, {MAX_STAGES}], got {n_stages}")
+        self.store, self.n_stages, self.policy = store, n_stages, policy
+        self._view = SwarmView(n_stages)
+        self._accused: set[str] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def view(self) -> SwarmView:
+        """The latest snapshot (empty before the first refresh)."""
+        with self._lock:
+            return self._view
+
+    def refresh(self, also_ask_about: Iterable[str] = ()) -> SwarmView:
+        """Reads the swarm anew; DHTUnavailable (and the previous view kept) if the DHT does not answer in time."""
+        keys = self.store.keys
+        stage_keys = [keys.stage(k) for k in range(self.n_stages)]
+        found = self.store.fetch([*stage_keys, keys.verifiers, keys.trainers, keys.bootstraps])
+        stages = {k: _of_type(found[key], StageAnnouncement) for k, key in enumerate(stage_keys)}
+        verifiers = _of_type(found[keys.verifiers], VerifierAnnouncement)
+        trainers = _of_type(found[keys.trainers], TrainerAnnouncement)
+        bootstraps = _of_type(found[keys.bootstraps], BootstrapAnnouncement)
+
+        with self._lock:
+            suspects = set(self._accused)
+        for replicas in stages.values():
+            suspects.update(replicas)
+        suspects.update(verifiers, trainers, also_ask_about)
+        strike_keys = {peer: keys.strikes(peer) for peer in sorted(suspects)}
+        strikes = self.store.fetch(list(strike_keys.values()))
+        ledger = StrikeLedger.from_records(
+            record for key in strike_keys.values() for record in _of_type(strikes[key], StrikeRecord).values()
+        )
+
+        view = SwarmView(
+            n_stages=self.n_stages,
+            stages=stages,
+            verifiers=verifiers,
+            trainers=trainers,
+            bootstraps=bootstraps,
+            ledger=ledger,
+            excluded=self.policy.excluded(ledger),
+            time=get_dht_time(),
+        )
+        with self._lock:
+            self._accused = set(ledger.accused())
+            self._view = view
+        return view
+
+
+def _of_type(records: Mapping[str, object], record_type: type) -> dict:
+    return {author: record for author, record in records.items() if isinstance(record, record_type)}
