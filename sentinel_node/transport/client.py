@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import torch
+from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
@@ -26,6 +27,7 @@ from sentinel_node.transport.deadlines import clamp_deadline, time_left
 from sentinel_node.transport.errors import (
     HopDeadlineExceeded,
     HopError,
+    HopInternal,
     HopMalformed,
     HopUnavailable,
     MalformedMessageError,
@@ -186,6 +188,11 @@ async def _attempt(p2p: P2P, peer: str, call: _Call) -> Reply:
         raise decode_error(str(e), peer) from None
     except _CONNECTION_ERRORS as e:
         raise HopUnavailable(f"{call.handler}: {type(e).__name__}: {e}", peer=peer) from None
+    except DecodeError as e:
+        raise HopMalformed(f"{call.handler}: reply is not a protobuf: {e}", peer=peer) from None
+    except Exception as e:  # anything else a peer's bytes can provoke in hivemind: still a failed hop, not a crash
+        logger.warning(f"{call.handler} on {peer} failed unexpectedly", exc_info=True)
+        raise HopInternal(f"{call.handler}: {type(e).__name__}: {e}", peer=peer) from None
     return Reply(tensors, metadata, peer, time.perf_counter() - started)
 
 

@@ -120,11 +120,11 @@ _CLASSES: dict[str, type[HopError]] = {
 }
 _CODES = "|".join(_CLASSES)
 _CODED = re.compile(rf"\b(?P<code>{_CODES}): (?:(?P<inner>{_CODES})@(?P<culprit>[1-9A-HJ-NP-Za-km-z]+): )?")
-_UNPRINTABLE = re.compile(r"[^ -~]|['\"\\]")
+_UNPRINTABLE = re.compile(r"[^ -~]")
 
 
 def _clean(text: str) -> str:
-    # The unary path ships repr(exception): quotes, backslashes and non-ASCII would come back escaped.
+    # Details may quote bytes from a hostile peer: keep them to one short printable line.
     return _UNPRINTABLE.sub("?", text)[:MAX_ERROR_CHARS]
 
 

@@ -266,6 +266,8 @@ class TensorServer:
         text = encode_error(error)
         if isinstance(error, HopMalformed):
             logger.warning(f"{route.name}: malformed request from {caller}: {error.detail}")
+        elif error.peer is not None:
+            logger.info(f"{route.name}: a call made for {caller} failed: {text}")
         else:
             logger.debug(f"{route.name}: answered {caller} with {text}")
         return text

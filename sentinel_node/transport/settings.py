@@ -21,7 +21,8 @@ class TransportSettings:
     compression: str = "none"
     max_tensor_mib: float = 64.0
     max_tensors: int = 16
-    stream_threshold_bytes: int = 2 * 2**20
+    # Measured on loopback: streaming already wins at 128 KiB (3.8 vs 5.5 ms) and by 2-3x at 1-2 MiB.
+    stream_threshold_bytes: int = 128 * 2**10
     chunk_bytes: int = 256 * 2**10
     hop_margin_s: float = 0.2
     max_call_s: float = 300.0
