@@ -1,0 +1,1 @@
+"""One module per node role (bootstrap, stage, verifier, trainer); ``common`` holds what they share."""

@@ -1,0 +1,227 @@
+"""What every node role shares: its identity file, its DHT with the swarm's validators, its record store, and a
+clean stop on SIGTERM/SIGINT.
+
+A DHT runs in a forked child that starts its own ``p2pd``; if the main process dies without shutting the DHT
+down, both keep running and hold their ports. So roles trap SIGTERM/SIGINT and always shut the DHT down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import shutil
+import signal
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import hivemind
+from hivemind.utils import get_logger
+from hivemind.utils.multiaddr import Multiaddr
+
+from dht import Identity, RecordStore, SwarmKeys, create_identity_file, load_identity_file, swarm_validators
+from sentinel_node.config import Config
+
+logger = get_logger(__name__)
+
+
+class NodeStartError(RuntimeError):
+    """A node could not start; the message says what to check."""
+
+
+@dataclass(frozen=True)
+class JoinOptions:
+    """What ``sentinel-node join`` passes to every role."""
+
+    config: Config
+    identity_path: str | None = None
+    initial_peers: tuple[str, ...] = ()
+    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    start_timeout: float = 60.0
+
+
+def software_version() -> str:
+    try:
+        return importlib.metadata.version("sentinel-node")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def parse_maddrs(values: Iterable[str], option: str) -> tuple[str, ...]:
+    """Multiaddrs from option values, each of which may hold several separated by spaces or commas."""
+    maddrs = []
+    for value in values:
+        for text in value.replace(",", " ").split():
+            try:
+                Multiaddr(text)
+            except Exception as e:  # the multiaddr package raises several types
+                raise ValueError(
+                    f"{option}: {text!r} is not a multiaddr ({e}); expected e.g. /ip4/203.0.113.5/tcp/31337/p2p/Qm..."
+                ) from None
+            maddrs.append(text)
+    return tuple(maddrs)
+
+
+@contextlib.contextmanager
+def node_identity(path: str | Path | None) -> Iterator[tuple[Identity, bool]]:
+    """The node's identity and whether it was just created.
+
+    A path that does not exist yet gets a new identity (owner-only, 0600); ``None`` gets a throwaway one in a
+    private temporary directory, removed on exit (the node then has a new peer id on every start).
+    """
+    if path is None:
+        directory = tempfile.mkdtemp(prefix="sentinel-identity-")
+        try:
+            logger.info("no --identity given: using a throwaway identity (pass --identity PATH to keep a peer id)")
+            yield create_identity_file(Path(directory) / "identity.key"), True
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        return
+    path = Path(path).expanduser()
+    if path.exists():
+        mode = path.stat().st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            logger.warning(
+                f"identity file {path} is readable by others (mode {oct(mode & 0o777)}); run chmod 600 {path}"
+            )
+        yield load_identity_file(path), False
+        return
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    identity = create_identity_file(path)
+    logger.info(f"created identity {identity.peer_id} in {path}")
+    yield identity, True
+
+
+def start_dht(
+    config: Config,
+    identity: Identity,
+    *,
+    initial_peers: Iterable[str] = (),
+    host_maddrs: Iterable[str] = ("/ip4/127.0.0.1/tcp/0",),
+    announce_maddrs: Iterable[str] = (),
+    client_mode: bool = False,
+    check_identity: bool = True,
+    timeout: float = 60.0,
+) -> hivemind.DHT:
+    """A running DHT node of the swarm (its libp2p identity is ``identity`` when that has a file); NodeStartError
+    within ``timeout`` seconds if it cannot start or reach ``initial_peers``."""
+    initial_peers, announce_maddrs = list(initial_peers), list(announce_maddrs)
+    dht = hivemind.DHT(
+        initial_peers=initial_peers,
+        start=False,
+        record_validators=swarm_validators(config.swarm.prefix, identity),
+        client_mode=client_mode,
+        host_maddrs=list(host_maddrs),
+        announce_maddrs=announce_maddrs or None,
+        identity_path=str(identity.path) if identity.path is not None else None,
+        check_if_identity_free=check_identity,
+    )
+    try:
+        dht.run_in_background(await_ready=True, timeout=timeout)
+    except FutureTimeout:
+        stop_dht(dht)
+        raise NodeStartError(
+            f"the DHT node did not start within {timeout:.0f}s; check that --initial-peers are reachable"
+        ) from None
+    except Exception as e:
+        stop_dht(dht)
+        if initial_peers and "bootstrap" in str(e):
+            raise NodeStartError(
+                f"none of the --initial-peers answered ({', '.join(initial_peers)}): {e}. "
+                "Check that a bootstrap node is running there and that the addresses end in /p2p/<its peer id>"
+            ) from None
+        raise NodeStartError(f"the DHT node failed to start: {e}") from None
+    return dht
+
+
+def stop_dht(dht: hivemind.DHT) -> None:
+    """Shuts the DHT process (and its p2pd) down; kills what a stuck shutdown leaves behind."""
+    if dht.pid is None:
+        return  # never started
+    orphans = _descendants(dht.pid)
+    dht.shutdown()
+    dht.join(timeout=5)
+    deadline = time.monotonic() + 2
+    while orphans and time.monotonic() < deadline:
+        orphans = [pid for pid in orphans if _alive(pid)]
+        time.sleep(0.05)
+    for pid in orphans:
+        logger.warning(f"process {pid} outlived its DHT; killing it")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def record_store(
+    dht: hivemind.DHT, config: Config, identity: Identity | None, timeout: float | None = None
+) -> RecordStore:
+    """The swarm's records through ``dht``; ``identity=None`` makes it read-only. Reads time out after
+    ``timeout`` seconds (default: the config's request_timeout)."""
+    timeout = config.swarm.request_timeout if timeout is None else timeout
+    return RecordStore(dht, SwarmKeys(config.swarm.prefix), config.swarm_hash(), identity, timeout=timeout)
+
+
+class StopSignals:
+    """While entered, SIGTERM and SIGINT set :attr:`event` instead of killing the process.
+
+    Processes forked meanwhile (the DHT) inherit the handler; in them it restores the default and re-raises, so a
+    signal sent to a whole process group still ends them.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.received: signal.Signals | None = None
+        self._pid = os.getpid()
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        for signum in self.SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if os.getpid() != self._pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.received = signal.Signals(signum)
+        self.event.set()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            # the command name may hold spaces and parentheses: the fields we need follow its last ')'
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, frontier = [], [pid]
+    while frontier:
+        kids = children.get(frontier.pop(), [])
+        found += kids
+        frontier += kids
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
