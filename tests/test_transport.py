@@ -347,7 +347,7 @@ async def raw_stream(client: P2P, server: P2P, messages: list[ExpertRequest]) ->
     return decode_error(error, server.peer_id.to_base58())
 
 
-def test_server_rejects_malformed_requests_and_keeps_serving() -> None:
+def test_server_rejects_malformed_requests_and_keeps_serving(caplog: pytest.LogCaptureFixture) -> None:
     async def scenario() -> None:
         async with swarm(2) as (server_p2p, client_p2p):
             server = TensorServer(server_p2p, SETTINGS)
@@ -392,6 +392,8 @@ def test_server_rejects_malformed_requests_and_keeps_serving() -> None:
             await still_serving()
 
     asyncio.run(scenario())
+    # The receiving side says what was wrong, and who sent it.
+    assert "malformed request from" in caplog.text and "1953 MiB, over the 64 MiB limit" in caplog.text
 
 
 def test_truncated_reply_stream_is_unavailable_not_short() -> None:
