@@ -1,0 +1,232 @@
+"""``sentinel-node join --role bootstrap`` as real processes, read with ``sentinel-node swarm ...``.
+
+Nodes run as subprocesses, each in its own process group and stopped by its pid (SIGTERM, then SIGKILL to its
+group); the ``swarm`` commands run in this process (click's runner), which saves importing hivemind each time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner, Result
+
+from sentinel_node.cli import main
+
+pytestmark = pytest.mark.slow
+
+CLI = [sys.executable, "-c", "from sentinel_node.cli import main; main()"]
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+class Node:
+    """A ``sentinel-node join`` process, its stdout read by a thread so reads can time out."""
+
+    def __init__(self, args: list[str]):
+        self.proc = subprocess.Popen(
+            [*CLI, "join", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its own process group, so the test can clean up everything it started
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.peer_id, self.maddrs = self._wait_ready(timeout=60)
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def _wait_ready(self, timeout: float) -> tuple[str, list[str]]:
+        deadline, peer_id, maddrs = time.monotonic() + timeout, None, []
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                if maddrs:
+                    return peer_id, maddrs
+                continue
+            if line.startswith("node "):
+                peer_id = line.split()[1]
+            elif "--initial-peers" in line:
+                maddrs.append(line.split()[-1])
+        self.stop()
+        raise AssertionError(f"node did not print its multiaddrs; stderr:\n{self.proc.stderr.read()[-3000:]}")
+
+    def stop(self, signum: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signum)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=15)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever is left in its group
+        return self.proc.wait()
+
+
+def swarm_cli(*args: str) -> Result:
+    return CliRunner().invoke(main, ["swarm", *args])
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, frontier = [], [pid]
+    while frontier:
+        kids = children.get(frontier.pop(), [])
+        found += kids
+        frontier += kids
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def command_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("config") / "swarm.yaml"
+    swarm = {"prefix": "cli-test", "announce_period": 0.5, "announce_ttl": 4.0, "request_timeout": 5.0}
+    path.write_text(yaml.safe_dump({"swarm": swarm}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def bootstraps(config_path, tmp_path_factory) -> Iterator[list[Node]]:
+    identity = tmp_path_factory.mktemp("identity") / "first.key"
+    nodes = [
+        Node(["--role", "bootstrap", "--config", config_path, "--identity", str(identity), "--host-maddrs", LOOPBACK])
+    ]
+    try:
+        joining = [
+            threading.Thread(
+                target=lambda: nodes.append(
+                    Node(
+                        [
+                            "--role",
+                            "bootstrap",
+                            "--config",
+                            config_path,
+                            "--host-maddrs",
+                            LOOPBACK,
+                            "--initial-peers",
+                            *nodes[0].maddrs,
+                        ]
+                    )
+                )
+            )
+            for _ in range(2)
+        ]
+        for thread in joining:
+            thread.start()
+        for thread in joining:
+            thread.join()
+        assert oct(identity.stat().st_mode & 0o777) == oct(0o600)
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def status(config_path: str, node: Node, section: str = "status") -> dict:
+    result = swarm_cli(
+        section, "--json", "--config", config_path, "--initial-peers", node.maddrs[0], "--timeout", "20"
+    )
+    assert result.exit_code == 0, result.output[-3000:]
+    return json.loads(result.stdout)
+
+
+def test_swarm_status_json_reflects_every_bootstrap(bootstraps, config_path):
+    assert len(bootstraps) == 3
+    report = status(config_path, bootstraps[2])  # ask through a node that joined through another
+    assert {b["peer_id"] for b in report["bootstraps"]} == {n.peer_id for n in bootstraps}
+    assert all(b["state"] == "online" and b["live"] for b in report["bootstraps"])
+    assert report["swarm"] == "cli-test" and report["n_stages"] == 4
+    assert report["health"]["ok"] is False and report["health"]["stages_without_replica"] == [0, 1, 2, 3]
+    assert report["bans"] == {} and report["strikes"] == {}
+
+    table = swarm_cli("status", "--config", config_path, "--initial-peers", bootstraps[0].maddrs[0])
+    assert table.exit_code == 0, table.output[-3000:]
+    assert all(n.peer_id in table.stdout for n in bootstraps)
+    assert "health: degraded: no live replica for stage 0, 1, 2, 3" in table.stdout
+
+
+def test_unreachable_or_missing_bootstrap_gives_a_clear_error_quickly(bootstraps, config_path):
+    port = bootstraps[0].maddrs[0].split("/tcp/")[1].split("/")[0]
+    dead = bootstraps[0].maddrs[0].replace(f"/tcp/{port}/", "/tcp/1/")  # nothing listens on port 1
+    started = time.monotonic()
+    result = swarm_cli("status", "--config", config_path, "--initial-peers", dead, "--timeout", "5")
+    assert result.exit_code == 1
+    assert "none of the --initial-peers answered" in result.stderr
+    assert time.monotonic() - started < 5
+
+    result = swarm_cli("status", "--initial-peers", "not-a-multiaddr")
+    assert result.exit_code == 2 and "--initial-peers" in result.stderr and "not a multiaddr" in result.stderr
+    result = swarm_cli("bans", "--config", config_path)
+    assert result.exit_code == 2 and "pass --initial-peers" in result.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_node_leaves_no_child_behind_and_goes_offline(bootstraps, config_path, signum):
+    node = Node(
+        [
+            "--role",
+            "bootstrap",
+            "--config",
+            config_path,
+            "--host-maddrs",
+            LOOPBACK,
+            "--initial-peers",
+            *bootstraps[0].maddrs,
+        ]
+    )
+    children = descendants(node.proc.pid)
+    names = {command_name(pid) for pid in children}
+    assert "p2pd" in names, names  # the DHT child and its daemon are there to be cleaned up
+    try:
+        if signum == signal.SIGINT:
+            os.killpg(node.proc.pid, signum)  # Ctrl-C in a terminal reaches the whole process group
+        else:
+            node.proc.send_signal(signum)
+        assert node.proc.wait(timeout=15) == 0
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(alive(pid) for pid in children):
+            time.sleep(0.1)
+        assert [command_name(pid) for pid in children if alive(pid)] == []
+    finally:
+        node.stop()
+        for pid in children:  # only if the assertion above failed: never leak what this test started
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+    peers = status(config_path, bootstraps[0], "peers")["peers"]
+    mine = [p for p in peers if p["peer_id"] == node.peer_id]
+    assert mine == [] or mine[0]["state"] == "offline"
