@@ -6,7 +6,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from hivemind.utils import get_dht_time, get_logger
+from hivemind.utils import get_dht_time
 
 from dht.keys import MAX_STAGES
 from dht.records import (
@@ -20,8 +20,6 @@ from dht.records import (
 from dht.store import RecordStore
 from peers.ledger import StrikeLedger
 from peers.policy import Exclusion, ExclusionPolicy
-
-logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)

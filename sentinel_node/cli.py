@@ -33,9 +33,9 @@ def _maddrs(values: tuple[str, ...], option: str) -> tuple[str, ...]:
     from sentinel_node.roles.common import parse_maddrs
 
     try:
-        return parse_maddrs(values, option)
+        return parse_maddrs(values, option, need_peer_id=option == "--initial-peers")
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint=option) from None
+        raise click.UsageError(str(e)) from None
 
 
 _initial_peers_option = click.option(
@@ -86,7 +86,7 @@ def join(
     import importlib
 
     from dht import IdentityError
-    from sentinel_node.roles.common import JoinOptions, NodeStartError
+    from sentinel_node.roles.common import JoinOptions, NodeError
 
     options = JoinOptions(
         config=_load(config_path),
@@ -99,7 +99,7 @@ def join(
     runner = getattr(importlib.import_module(module), function)
     try:
         runner(options, on_ready=_print_ready)
-    except (NodeStartError, IdentityError) as e:
+    except (NodeError, IdentityError) as e:
         raise click.ClickException(str(e)) from None
 
 

@@ -190,6 +190,8 @@ def test_unreachable_or_missing_bootstrap_gives_a_clear_error_quickly(bootstraps
 
     result = swarm_cli("status", "--initial-peers", "not-a-multiaddr")
     assert result.exit_code == 2 and "--initial-peers" in result.stderr and "not a multiaddr" in result.stderr
+    result = swarm_cli("status", "--initial-peers", dead.split("/p2p/")[0])
+    assert result.exit_code == 2 and "must end in /p2p/<peer id>" in result.stderr
     result = swarm_cli("bans", "--config", config_path)
     assert result.exit_code == 2 and "pass --initial-peers" in result.stderr
 

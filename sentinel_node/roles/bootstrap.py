@@ -7,6 +7,7 @@ and p2pd down.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 from hivemind.utils import get_dht_time, get_logger
@@ -14,6 +15,7 @@ from hivemind.utils import get_dht_time, get_logger
 from dht import Announcer, BootstrapAnnouncement
 from sentinel_node.roles.common import (
     JoinOptions,
+    NodeDiedError,
     StopSignals,
     node_identity,
     record_store,
@@ -28,14 +30,13 @@ logger = get_logger(__name__)
 _HEALTH_CHECK_PERIOD = 1.0
 
 
-class NodeDiedError(RuntimeError):
-    """The node's DHT process ended on its own."""
-
-
-def run_bootstrap(options: JoinOptions, on_ready: Callable[[str, list[str]], None]) -> None:
-    """Serves until SIGTERM/SIGINT; calls ``on_ready(peer_id, maddrs)`` once others can join through it."""
+def run_bootstrap(
+    options: JoinOptions, on_ready: Callable[[str, list[str]], None], stop_event: threading.Event | None = None
+) -> None:
+    """Serves until SIGTERM/SIGINT (or ``stop_event``); calls ``on_ready(peer_id, maddrs)`` once others can join
+    through it."""
     config = options.config
-    with StopSignals() as stop, node_identity(options.identity_path) as (identity, fresh):
+    with StopSignals(stop_event) as stop, node_identity(options.identity_path) as (identity, fresh):
         dht = start_dht(
             config,
             identity,
@@ -65,7 +66,7 @@ def run_bootstrap(options: JoinOptions, on_ready: Callable[[str, list[str]], Non
             while not stop.event.wait(_HEALTH_CHECK_PERIOD):
                 if not dht.is_alive():
                     raise NodeDiedError("the DHT process ended unexpectedly; see the log above for its last words")
-            logger.info(f"received {stop.received.name}; shutting down")
+            logger.info(f"{stop.received.name if stop.received else 'asked to stop'}: shutting down")
         finally:
             if announcer is not None:
                 announcer.stop(offline=dht.is_alive())

@@ -32,8 +32,16 @@ from sentinel_node.config import Config
 logger = get_logger(__name__)
 
 
-class NodeStartError(RuntimeError):
-    """A node could not start; the message says what to check."""
+class NodeError(RuntimeError):
+    """A node cannot go on; the message says what to check."""
+
+
+class NodeStartError(NodeError):
+    """A node could not start or reach the swarm."""
+
+
+class NodeDiedError(NodeError):
+    """A node's DHT process ended on its own."""
 
 
 @dataclass(frozen=True)
@@ -55,17 +63,22 @@ def software_version() -> str:
         return "unknown"
 
 
-def parse_maddrs(values: Iterable[str], option: str) -> tuple[str, ...]:
+def parse_maddrs(values: Iterable[str], option: str, need_peer_id: bool = False) -> tuple[str, ...]:
     """Multiaddrs from option values, each of which may hold several separated by spaces or commas."""
     maddrs = []
     for value in values:
         for text in value.replace(",", " ").split():
             try:
-                Multiaddr(text)
+                maddr = Multiaddr(text)
             except Exception as e:  # the multiaddr package raises several types
                 raise ValueError(
                     f"{option}: {text!r} is not a multiaddr ({e}); expected e.g. /ip4/203.0.113.5/tcp/31337/p2p/Qm..."
                 ) from None
+            if need_peer_id and "p2p" not in maddr:
+                raise ValueError(
+                    f"{option}: {text!r} names no peer; it must end in /p2p/<peer id>, "
+                    "as in the lines a bootstrap node prints when it starts"
+                )
             maddrs.append(text)
     return tuple(maddrs)
 
@@ -172,20 +185,22 @@ class StopSignals:
     """While entered, SIGTERM and SIGINT set :attr:`event` instead of killing the process.
 
     Processes forked meanwhile (the DHT) inherit the handler; in them it restores the default and re-raises, so a
-    signal sent to a whole process group still ends them.
+    signal sent to a whole process group still ends them. Outside the main thread (a role run in-process, e.g. by
+    a demo) no handler can be installed, and only ``event.set()`` stops the role.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self) -> None:
-        self.event = threading.Event()
+    def __init__(self, event: threading.Event | None = None) -> None:
+        self.event = event or threading.Event()
         self.received: signal.Signals | None = None
         self._pid = os.getpid()
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopSignals:
-        for signum in self.SIGNALS:
-            self._previous[signum] = signal.signal(signum, self._handle)
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
