@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -111,7 +112,9 @@ class SwarmWatcher:
             return self._view
 
     def refresh(self, also_ask_about: Iterable[str] = ()) -> SwarmView:
-        """Reads the swarm anew; DHTUnavailable (and the previous view kept) if the DHT does not answer in time."""
+        """Reads the swarm anew within the store's timeout; DHTUnavailable (and the previous view kept) if the DHT
+        does not answer in time."""
+        deadline = time.monotonic() + self.store.timeout
         keys = self.store.keys
         stage_keys = [keys.stage(k) for k in range(self.n_stages)]
         found = self.store.fetch([*stage_keys, keys.verifiers, keys.trainers, keys.bootstraps])
@@ -126,7 +129,7 @@ class SwarmWatcher:
             suspects.update(replicas)
         suspects.update(verifiers, trainers, also_ask_about)
         strike_keys = {peer: keys.strikes(peer) for peer in sorted(suspects)}
-        strikes = self.store.fetch(list(strike_keys.values()))
+        strikes = self.store.fetch(list(strike_keys.values()), timeout=max(0.0, deadline - time.monotonic()))
         ledger = StrikeLedger.from_records(
             record for key in strike_keys.values() for record in _of_type(strikes[key], StrikeRecord).values()
         )
