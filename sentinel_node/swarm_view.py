@@ -45,7 +45,7 @@ def read_swarm(config: Config, initial_peers: Sequence[str], timeout: float) -> 
 
 
 def _announcement(view: SwarmView, a: Announcement) -> dict:
-    return {"role": a.kind, **a.dict(), "live": view.is_live(a), "excluded": view.is_excluded(a.peer_id)}
+    return {**a.dict(), "live": view.is_live(a), "excluded": view.is_excluded(a.peer_id)}
 
 
 def _strike(policy: ExclusionPolicy, record: StrikeRecord) -> dict:
@@ -194,8 +194,11 @@ def render_bans(view: SwarmView, config: Config) -> str:
         [peer, f"{len(exclusion.votes)}/{quorum}", ", ".join(exclusion.voters)]
         for peer, exclusion in sorted(view.excluded.items())
     ]
-    trust = "trusted verifiers" if config.swarm.trusted_verifiers else "any verifiers (open set)"
-    header = f"a peer is excluded while {quorum} {trust} hold a live ban on it"
+    trusted = len(config.swarm.trusted_verifiers)
+    voters = (
+        f"{quorum} of the {trusted} trusted verifiers" if trusted else f"{quorum} verifiers (open set: any verifier)"
+    )
+    header = f"a peer is excluded while {voters} hold a live ban on it"
     return header + "\n" + table(["PEER", "VOTES", "VOTERS"], rows, empty="no peer is excluded")
 
 

@@ -22,9 +22,11 @@ import pytest
 import yaml
 from click.testing import CliRunner, Result
 
+from dht import StrikeRecord, ephemeral_identity
+from peers import ExclusionParams, ExclusionPolicy, StrikeLedger, SwarmView
 from sentinel_node.cli import main
-
-pytestmark = pytest.mark.slow
+from sentinel_node.config import load_config
+from sentinel_node.swarm_view import render_bans, render_strikes, to_json
 
 CLI = [sys.executable, "-c", "from sentinel_node.cli import main; main()"]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -164,6 +166,7 @@ def status(config_path: str, node: Node, section: str = "status") -> dict:
     return json.loads(result.stdout)
 
 
+@pytest.mark.slow
 def test_swarm_status_json_reflects_every_bootstrap(bootstraps, config_path):
     assert len(bootstraps) == 3
     report = status(config_path, bootstraps[2])  # ask through a node that joined through another
@@ -179,6 +182,7 @@ def test_swarm_status_json_reflects_every_bootstrap(bootstraps, config_path):
     assert "health: degraded: no live replica for stage 0, 1, 2, 3" in table.stdout
 
 
+@pytest.mark.slow
 def test_unreachable_or_missing_bootstrap_gives_a_clear_error_quickly(bootstraps, config_path):
     port = bootstraps[0].maddrs[0].split("/tcp/")[1].split("/")[0]
     dead = bootstraps[0].maddrs[0].replace(f"/tcp/{port}/", "/tcp/1/")  # nothing listens on port 1
@@ -196,6 +200,7 @@ def test_unreachable_or_missing_bootstrap_gives_a_clear_error_quickly(bootstraps
     assert result.exit_code == 2 and "pass --initial-peers" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_stopped_node_leaves_no_child_behind_and_goes_offline(bootstraps, config_path, signum):
     node = Node(
@@ -232,3 +237,36 @@ def test_a_stopped_node_leaves_no_child_behind_and_goes_offline(bootstraps, conf
     peers = status(config_path, bootstraps[0], "peers")["peers"]
     mine = [p for p in peers if p["peer_id"] == node.peer_id]
     assert mine == [] or mine[0]["state"] == "offline"
+
+
+def test_strikes_and_bans_render_with_their_verifiers():
+    config = load_config(None).with_overrides(swarm={"trusted_verifiers": [], "ban_quorum": 2})
+    verifiers, accused = [ephemeral_identity().peer_id for _ in range(3)], ephemeral_identity().peer_id
+    records = [
+        StrikeRecord(
+            verifier=v,
+            accused=accused,
+            boundary=1,
+            direction="gradient",
+            strikes=3 if banned else 1,
+            checks=40,
+            flags=3,
+            metrics={"l2": 7.5},
+            banned=banned,
+            config_hash=config.swarm_hash(),
+            version="test",
+            time=100.0,
+        )
+        for v, banned in zip(verifiers, [True, True, False], strict=True)
+    ]
+    ledger = StrikeLedger.from_records(records)
+    policy = ExclusionPolicy(ExclusionParams(tuple(config.swarm.trusted_verifiers), config.swarm.ban_quorum))
+    view = SwarmView(config.pipeline.n_stages, ledger=ledger, excluded=policy.excluded(ledger), time=110.0)
+
+    strikes = render_strikes(view, config)
+    assert all(v in strikes for v in verifiers) and "1|2" in strikes and "l2=7.5" in strikes and "10s" in strikes
+    bans = render_bans(view, config)
+    assert accused in bans and "2/2" in bans and "open set" in bans
+    report = to_json(view, config, "bans")["bans"]
+    assert set(report[accused]["voters"]) == set(verifiers[:2])
+    assert [s["vote"] for s in to_json(view, config, "strikes")["strikes"][accused]].count(True) == 2
