@@ -54,13 +54,25 @@ class PipelineConfig(_Strict):
     microbatch_size: int = Field(8, ge=1, description="sequences per microbatch")
     seq_len: int = Field(64, ge=2, description="tokens per sequence")
     microbatches_per_step: int = Field(4, ge=1)
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.01, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     warmup_steps: int = Field(20, ge=0, description="linear learning-rate warm-up, in global steps")
     average_every: int = Field(5, ge=1, description="replicas of a stage average parameters every this many steps")
     compression: Literal["none", "float16", "blockwise_8bit"] = "none"
     max_tensor_mib: float = Field(64.0, gt=0, description="largest tensor a node accepts from the network")
+
+
+# below these, a distance is noise whatever the window says (a sign-flip share of 0.1, a 10% change of norm)
+DEFAULT_FLOORS = {
+    "l1": 0.05,
+    "l2": 0.05,
+    "norm": 0.1,
+    "scale": 0.05,
+    "sign_flip": 0.1,
+    "wasserstein": 0.05,
+    "spectral": 0.05,
+}
 
 
 class VerificationConfig(_Strict):
@@ -73,20 +85,31 @@ class VerificationConfig(_Strict):
     spectral_rank: int = Field(4, ge=1, description="singular values counted as the tensor's dominant energy")
     window: int = Field(128, ge=8, description="accepted scores kept per metric for the adaptive threshold")
     fence_k: float = Field(3.0, gt=0, description="threshold = Q3 + k * IQR")
-    fence_space: Literal["log", "linear"] = Field(
-        "log", description="fence on log-scores (scores are skewed, see docs/decisions.md) or raw scores"
+    fence_space: Literal["relative_log", "linear"] = Field(
+        "relative_log", description="fence on log(1 + score / median) (scores are skewed, docs/decisions.md) or raw"
     )
-    floor: float = Field(1e-6, ge=0, description="smallest threshold, so a flat window cannot flag noise")
+    floors: dict[str, float] = Field(
+        default_factory=lambda: dict(DEFAULT_FLOORS),
+        description="smallest threshold per metric, so a flat window cannot flag noise",
+    )
+    row_clip: float = Field(4.0, gt=1, description="rows (tokens) are clipped to this many times the median row norm")
     warmup: int = Field(50, ge=1, description="accepted tensors per boundary before anything can be flagged")
     strike_limit: int = Field(3, ge=1, description="S: strikes at which a sender is banned")
     forgive_after: int = Field(100, ge=1, description="F: clean checks that forgive one strike")
-    drift_window: int = Field(
-        32, ge=0, description="checks per sender in the persistent-drift test (0 disables it)"
-    )
+    drift_window: int = Field(32, ge=0, description="checks per sender in the persistent-drift test (0 disables it)")
     drift_limit: float = Field(
         0.5, gt=0, description="mean log-excess over the median that a sender may sustain over the drift window"
     )
     replacement: Literal["ema", "zero", "drop"] = "ema"
+
+    def monitor_settings(self, direction: Literal["activation", "gradient"], seed: int):
+        """Plain settings for one boundary monitor (the verification core does not import pydantic)."""
+        from sentinel_node.verification import MonitorSettings
+
+        values = self.model_dump(exclude={"beta_act", "beta_grad", "floors"})
+        values["floors"] = {**DEFAULT_FLOORS, **self.floors}
+        beta = self.beta_act if direction == "activation" else self.beta_grad
+        return MonitorSettings(beta=beta, seed=seed, **values)
 
 
 class SwarmConfig(_Strict):
@@ -188,11 +211,15 @@ def load_config(path: str | Path | None = None) -> Config:
     try:
         text = path.read_text()
     except OSError as e:
-        raise ConfigError(f"cannot read config {path}: {e.strerror}; pass --config with an existing YAML file") from None
+        raise ConfigError(
+            f"cannot read config {path}: {e.strerror}; pass --config with an existing YAML file"
+        ) from None
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config {path} must be a mapping of sections (model, pipeline, ...), not {type(data).__name__}")
+        raise ConfigError(
+            f"config {path} must be a mapping of sections (model, pipeline, ...), not {type(data).__name__}"
+        )
     return parse_config(data, source=f"config {path}")

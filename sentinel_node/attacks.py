@@ -1,0 +1,224 @@
+"""The attack catalogue: what a malicious stage does to the tensors it sends (DESIGN.md section 4).
+
+An attack is a function ``attack(tensor, step, state) -> tensor`` of the honest tensor, the global step and the
+attacker's own state (a dict kept between calls). It returns the tensor it sends; returning the input object
+itself means "not attacked this time". Each works on activations and on gradients. :class:`Attacker` adds a start
+step and a probability. Red teams bring their own with ``--attack-file PATH.py:NAME``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+
+AttackFn = Callable[[torch.Tensor, int, dict], torch.Tensor]
+
+
+class AttackError(ValueError):
+    """An attack name, parameter or file is invalid; the message says which and what to do."""
+
+
+def _generator(state: dict) -> torch.Generator:
+    if "generator" not in state:
+        state["generator"] = torch.Generator().manual_seed(state.get("seed", 0))
+    return state["generator"]
+
+
+def constant(tensor: torch.Tensor, step: int, state: dict, value: float = 0.0) -> torch.Tensor:
+    """Sends a constant (zeros by default) instead of the computed tensor."""
+    return torch.full_like(tensor, value)
+
+
+def random_noise(tensor: torch.Tensor, step: int, state: dict) -> torch.Tensor:
+    """Sends Gaussian noise with the honest tensor's mean and standard deviation."""
+    noise = torch.randn(tensor.shape, generator=_generator(state), dtype=torch.float32).to(tensor.dtype)
+    return tensor.mean() + tensor.std() * noise
+
+
+def scale(tensor: torch.Tensor, step: int, state: dict, sigma: float = -1.0) -> torch.Tensor:
+    """Multiplies the tensor by sigma (-1: inverts its sign)."""
+    return tensor * sigma
+
+
+def sign_flip(tensor: torch.Tensor, step: int, state: dict) -> torch.Tensor:
+    """Flips the sign of each element with probability 1/2."""
+    signs = torch.randint(0, 2, tensor.shape, generator=_generator(state)).to(tensor.dtype) * 2 - 1
+    return tensor * signs
+
+
+def delay(tensor: torch.Tensor, step: int, state: dict, steps: int = 100) -> torch.Tensor:
+    """Sends the tensor it computed `steps` global steps earlier (the oldest it kept, until it has one that old)."""
+    history: deque = state.setdefault("history", deque())
+    if not history or history[-1][0] != step:
+        history.append((step, tensor.detach().clone()))  # one tensor per step bounds the memory to `steps` tensors
+    while len(history) > 1 and history[1][0] <= step - steps:
+        history.popleft()
+    old_step, old = history[0]
+    if old_step == step or old.shape != tensor.shape:
+        return tensor
+    return old.to(tensor.dtype)
+
+
+def bias(tensor: torch.Tensor, step: int, state: dict, offset: float = 1.0) -> torch.Tensor:
+    """Adds a constant offset of `offset` times the tensor's RMS, so it means the same for activations and gradients."""
+    return tensor + offset * tensor.float().square().mean().sqrt().to(tensor.dtype)
+
+
+def invisible_noise(tensor: torch.Tensor, step: int, state: dict, fraction: float = 0.99) -> torch.Tensor:
+    """Replaces `fraction` of the signal's energy with noise, keeping the tensor's norm."""
+    noise = torch.randn(tensor.shape, generator=_generator(state), dtype=torch.float32).to(tensor.dtype)
+    noise = noise * (tensor.norm() / noise.norm().clamp_min(1e-30))
+    return (1 - fraction) ** 0.5 * tensor + fraction**0.5 * noise
+
+
+_BASIC: dict[str, AttackFn] = {
+    "constant": constant,
+    "random": random_noise,
+    "scale": scale,
+    "sign_flip": sign_flip,
+    "delay": delay,
+    "bias": bias,
+    "invisible_noise": invisible_noise,
+}
+
+
+def mixed(tensor: torch.Tensor, step: int, state: dict, every: int = 5) -> torch.Tensor:
+    """A different basic attack every `every` steps, in a random order of the attacker's own."""
+    if "order" not in state:
+        names = sorted(_BASIC)
+        random.Random(state.get("seed", 0)).shuffle(names)
+        state["order"] = names
+    name = state["order"][(step // every) % len(state["order"])]
+    return _BASIC[name](tensor, step, state.setdefault(f"state_{name}", {"seed": state.get("seed", 0)}))
+
+
+def adaptive(tensor: torch.Tensor, step: int, state: dict, margin: float = 0.9, settings=None) -> torch.Tensor:
+    """An attacker who knows SENTINEL's metrics: it pushes the tensor towards its sign inversion as far as it can
+    while every metric stays under `margin` times the threshold it estimates from its own honest tensors.
+    """
+    from sentinel_node.verification import BoundaryMonitor
+
+    if "monitor" not in state:
+        if settings is None:
+            raise AttackError(
+                "the adaptive attack needs the swarm's verification settings (the simulator passes them)"
+            )
+        state["monitor"] = BoundaryMonitor(settings, hidden_size=tensor.shape[-1], dtype=tensor.dtype)
+    monitor: BoundaryMonitor = state["monitor"]
+    reference = monitor.baseline.reference
+    if monitor.warming_up or reference is None:
+        monitor.check(tensor, "self")  # learn what honest looks like, as the verifier does
+        return tensor
+
+    limits = {name: margin * monitor.thresholds[name].threshold() for name in monitor.thresholds}
+
+    def passes(alpha: float) -> bool:
+        candidate = monitor.profiler(tensor * (1 - 2 * alpha))
+        return all(score <= limits[name] for name, score in _scores(candidate, reference).items())
+
+    low, high = 0.0, 1.0
+    for _ in range(8):
+        mid = (low + high) / 2
+        low, high = (mid, high) if passes(mid) else (low, mid)
+    monitor.check(tensor, "self")
+    return tensor * (1 - 2 * low) if low > 0 else tensor
+
+
+def _scores(profile, reference) -> dict[str, float]:
+    from sentinel_node.verification import METRICS
+
+    return {name: metric(profile, reference) for name, metric in METRICS.items()}
+
+
+# stateful attacks learn from the honest tensors they see before they start or when they hold back
+delay.observes_honest = True
+adaptive.observes_honest = True
+mixed.observes_honest = True
+
+CATALOGUE: dict[str, AttackFn] = {**_BASIC, "mixed": mixed, "adaptive": adaptive}
+BASIC_ATTACKS: tuple[str, ...] = tuple(_BASIC)
+
+
+def make_attack(name: str, **params) -> AttackFn:
+    """The catalogue's attack `name` with some parameters fixed, e.g. make_attack("scale", sigma=2.0)."""
+    if name not in CATALOGUE:
+        raise AttackError(f"unknown attack {name!r}; choose one of {', '.join(CATALOGUE)} or use --attack-file")
+    fn = CATALOGUE[name]
+    accepted = set(inspect.signature(fn).parameters) - {"tensor", "step", "state"}
+    unknown = set(params) - accepted
+    if unknown:
+        raise AttackError(
+            f"attack {name!r} takes no parameter {', '.join(sorted(unknown))}; it takes {sorted(accepted)}"
+        )
+    if not params:
+        return fn
+    bound = partial(fn, **params)
+    bound.observes_honest = getattr(fn, "observes_honest", False)
+    return bound
+
+
+def load_attack_file(spec: str) -> tuple[str, AttackFn]:
+    """Loads `PATH.py:NAME`, a function NAME(tensor, step, state) -> tensor; returns (NAME, function)."""
+    path_text, sep, name = spec.rpartition(":")
+    if not sep or not path_text or not name:
+        raise AttackError(f"--attack-file {spec!r} must look like PATH.py:NAME")
+    path = Path(path_text)
+    if not path.is_file():
+        raise AttackError(f"--attack-file: no file {path}")
+    module_spec = importlib.util.spec_from_file_location(f"sentinel_attack_{path.stem}", path)
+    if module_spec is None or module_spec.loader is None:
+        raise AttackError(f"--attack-file: {path} cannot be imported as Python")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # the red team's code may fail in any way; say where
+        raise AttackError(f"--attack-file: importing {path} failed: {type(e).__name__}: {e}") from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise AttackError(f"--attack-file: {path} defines no {name!r}")
+    if not callable(fn):
+        raise AttackError(f"--attack-file: {path}:{name} is not a function")
+    try:
+        inspect.signature(fn).bind(torch.zeros(1), 0, {})
+    except TypeError:
+        raise AttackError(
+            f"--attack-file: {path}:{name} must take (tensor, step, state), it takes {inspect.signature(fn)}"
+        ) from None
+    except ValueError:
+        pass  # builtins without a signature: trust them
+    return name, fn
+
+
+@dataclass
+class Attacker:
+    """An attack with a start step and a probability; `state` is the attacker's own, kept between calls."""
+
+    fn: AttackFn
+    start: int = 0
+    probability: float = 1.0
+    seed: int = 0
+    state: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.state.setdefault("seed", self.seed)
+        self._rng = random.Random(self.seed)
+
+    def __call__(self, tensor: torch.Tensor, step: int) -> tuple[torch.Tensor, bool]:
+        """The tensor to send and whether it differs from the honest one."""
+        attacking = step >= self.start and self._rng.random() < self.probability
+        if not attacking and not getattr(self.fn, "observes_honest", False):
+            return tensor, False
+        out = self.fn(tensor, step, self.state)
+        if not attacking:
+            return tensor, False
+        if not isinstance(out, torch.Tensor):
+            raise AttackError(f"attack {getattr(self.fn, '__name__', self.fn)!r} returned {type(out).__name__}")
+        return out, out is not tensor

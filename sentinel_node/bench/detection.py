@@ -1,0 +1,222 @@
+"""`sentinel-node bench detection`: SENTINEL against every attack of the catalogue, in the mesh simulator.
+
+For each (attack, target) three runs on the same seed and data: clean (no attacker, verification on), attacked
+without verification, attacked with SENTINEL. Worker-level precision/recall/F1 count a malicious worker banned by
+the end as a true positive and an honest one banned as a false positive.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from hivemind.utils.logging import get_logger
+
+from sentinel_node.attacks import BASIC_ATTACKS, CATALOGUE, load_attack_file, make_attack
+from sentinel_node.config import Config
+from sentinel_node.model import Corpus, load_corpus
+from sentinel_node.sim import AttackPlan, Mesh, SimResult
+
+logger = get_logger(__name__)
+
+TARGETS = ("activation", "gradient")
+
+# quick: finishes within 5 minutes on 2 cores; full: the DESIGN measurement's model, longer, a larger mesh
+PROFILES: dict[str, dict[str, dict]] = {
+    "quick": {
+        "model": {"hidden_size": 64, "intermediate_size": 172},
+        "sim": {"steps": 80, "attack_start": 30, "replicas": 4, "eval_every": 10},
+    },
+    "full": {
+        "model": {"hidden_size": 128, "intermediate_size": 344},
+        "pipeline": {"n_stages": 4},
+        "sim": {"steps": 300, "attack_start": 100, "replicas": 8, "eval_every": 20},
+    },
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    target: str
+    attack_file: str | None = None  # PATH.py:NAME for a red team's own attack
+
+
+def cases(attacks: list[str] | None, attack_file: str | None) -> list[Case]:
+    """The runs to make: every catalogue attack on each target, or the named ones, or the attack file's."""
+    if attack_file is not None:
+        name, _ = load_attack_file(attack_file)  # fail now, not in a worker
+        selected = [Case(name, t, attack_file) for t in TARGETS]
+        return selected + [Case(a, t) for a in attacks or [] for t in TARGETS]
+    names = attacks or [*BASIC_ATTACKS, "mixed", "adaptive"]
+    for name in names:
+        make_attack(name) if name != "adaptive" else None  # unknown names fail with the catalogue listed
+    return [Case(name, t) for name in names for t in TARGETS]
+
+
+def _plan(case: Case, config: Config) -> AttackPlan:
+    def make(direction: str):
+        if case.attack_file is not None:
+            return load_attack_file(case.attack_file)[1]
+        if case.name == "adaptive":
+            return make_attack("adaptive", settings=config.verification.monitor_settings(direction, config.swarm.seed))
+        return make_attack(case.name)
+
+    return AttackPlan(case.name, case.target, make)
+
+
+def _run(args: tuple[Config, Corpus, Case | None, bool]) -> SimResult:
+    config, corpus, case, verify = args
+    torch.set_num_threads(1)  # one run per core beats one run on two
+    plan = _plan(case, config) if case is not None else None
+    return Mesh(config, corpus, plan, verify=verify).run()
+
+
+def summarize(case: Case, defended: SimResult, undefended: SimResult, clean: SimResult) -> dict:
+    malicious, honest = set(defended.malicious), set(defended.honest)
+    banned = set(defended.banned_at)
+    tp, fp = len(banned & malicious), len(banned & honest)
+    precision = tp / (tp + fp) if tp + fp else 1.0
+    recall = tp / len(malicious) if malicious else 1.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    to_ban = [defended.banned_at[w] for w in banned & malicious]
+    flag_precision, flag_recall = defended.stats.precision_recall(case.target)
+    return {
+        "name": case.name,
+        "target": case.target,
+        "precision": round(precision, 4),
+        "recall": round(recall, 4),
+        "f1": round(f1, 4),
+        "honest_banned": fp,
+        "honest_banned_ids": sorted(banned & honest),
+        "malicious": sorted(malicious),
+        "microbatches_to_ban": statistics.median(m for _, m in to_ban) if to_ban else None,
+        "steps_to_ban": statistics.median(s for s, _ in to_ban) if to_ban else None,
+        "flag_precision": None if flag_precision is None else round(flag_precision, 4),
+        "flag_recall": None if flag_recall is None else round(flag_recall, 4),
+        "metric_flag_rates": {
+            "attacked": _rounded(defended.stats.metric_rates(case.target, True)),
+            "honest": _rounded(defended.stats.metric_rates(case.target, False)),
+        },
+        "honest_max_strikes": defended.honest_max_strikes,
+        "val_loss": {
+            "clean": round(clean.final_val_loss, 4),
+            "undefended": round(undefended.final_val_loss, 4),
+            "defended": round(defended.final_val_loss, 4),
+        },
+        "curves": {
+            "clean": clean.val_curve,
+            "undefended": undefended.val_curve,
+            "defended": defended.val_curve,
+        },
+    }
+
+
+def _rounded(rates: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 4) for k, v in rates.items()}
+
+
+def run_detection(
+    config: Config,
+    profile: str = "quick",
+    attacks: list[str] | None = None,
+    attack_file: str | None = None,
+    workers: int = 2,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Runs the benchmark and returns {"profile", "config_hash", "clean", "attacks": [...]}."""
+    config = config.with_overrides(**PROFILES[profile])
+    selected = cases(attacks, attack_file)
+    corpus = load_corpus(config.data.path, config.data.val_fraction, config.data.max_bytes)
+    jobs = [(config, corpus, None, True)]
+    for case in selected:
+        jobs += [(config, corpus, case, False), (config, corpus, case, True)]
+    results: list[SimResult] = []
+    context = multiprocessing.get_context("fork")  # workers share the corpus already in memory
+    with context.Pool(max(1, workers)) as pool:
+        for i, result in enumerate(pool.imap(_run, jobs)):
+            results.append(result)
+            if progress is not None:
+                progress(f"run {i + 1}/{len(jobs)} done")
+    clean = results[0]
+    rows = [summarize(case, results[2 + 2 * i], results[1 + 2 * i], clean) for i, case in enumerate(selected)]
+    return {
+        "profile": profile,
+        "config_hash": config.swarm_hash(),
+        "mesh": {
+            "stages": config.pipeline.n_stages,
+            "replicas": config.sim.replicas,
+            "steps": config.sim.steps,
+            "attack_start": config.sim.attack_start,
+            "microbatches_per_step": config.pipeline.microbatches_per_step,
+        },
+        "clean": {
+            "val_loss": round(clean.final_val_loss, 4),
+            "honest_banned": len(clean.banned_at),
+            "honest_max_strikes": clean.honest_max_strikes,
+            "flags": clean.stats.flags,
+            "checks": clean.stats.checked(),
+        },
+        "attacks": rows,
+    }
+
+
+def table(report: dict) -> str:
+    """A readable table of a report."""
+    header = (
+        f"{'attack':<16} {'target':<10} {'prec':>5} {'recall':>6} {'F1':>5} {'honest':>6} {'mb→ban':>7} "
+        f"{'flagP':>6} {'flagR':>6} {'clean':>6} {'undef':>6} {'def':>6}"
+    )
+    lines = [header, "-" * len(header)]
+    for row in report["attacks"]:
+        v = row["val_loss"]
+        lines.append(
+            f"{row['name']:<16} {row['target']:<10} {row['precision']:>5.2f} {row['recall']:>6.2f} {row['f1']:>5.2f} "
+            f"{row['honest_banned']:>6d} {_fmt(row['microbatches_to_ban']):>7} {_fmt(row['flag_precision']):>6} "
+            f"{_fmt(row['flag_recall']):>6} {v['clean']:>6.3f} {v['undefended']:>6.3f} {v['defended']:>6.3f}"
+        )
+    c = report["clean"]
+    lines.append(
+        f"clean run: val loss {c['val_loss']:.3f}, {c['flags']} flags in {c['checks']} checks, "
+        f"{c['honest_banned']} honest banned, max honest strikes {c['honest_max_strikes']}"
+    )
+    return "\n".join(lines)
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def plot(report: dict, out: Path) -> list[Path]:
+    """One PNG per (attack, target): validation loss of the clean, undefended and defended runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for row in report["attacks"]:
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        for label, style in (("clean", "-"), ("undefended", "--"), ("defended", "-.")):
+            steps, losses = zip(*row["curves"][label], strict=True)
+            ax.plot(steps, losses, style, label=label)
+        ax.axvline(report["mesh"]["attack_start"], color="grey", lw=0.8, ls=":")
+        ax.set(title=f"{row['name']} on {row['target']}s", xlabel="global step", ylabel="validation loss")
+        ax.legend()
+        fig.tight_layout()
+        path = out / f"val_loss_{row['name']}_{row['target']}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def known_attacks() -> list[str]:
+    return list(CATALOGUE)

@@ -1,0 +1,55 @@
+"""A verifier's checking side: one monitor per (boundary, direction) it serves and one strike ledger for all."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from sentinel_node.config import VerificationConfig
+from sentinel_node.verification import BoundaryMonitor, StrikeLedger, Verdict
+
+
+class BoundaryVerifier:
+    """Checks activations going forward and gradients coming back across the boundaries it serves.
+
+    Boundary k sits between stage k and stage k + 1: activations there are sent by stage k replicas, gradients by
+    stage k + 1 replicas. With `enabled=False` it is a plain relay (for overhead measurements and undefended runs).
+    """
+
+    def __init__(
+        self,
+        config: VerificationConfig,
+        boundaries: Iterable[int],
+        hidden_size: int,
+        expected_shape: tuple[int, ...] | None,
+        seed: int,
+        enabled: bool = True,
+    ):
+        self.enabled = enabled
+        self.ledger = StrikeLedger(config.strike_limit, config.forgive_after)
+        self.monitors: dict[tuple[int, str], BoundaryMonitor] = {
+            (boundary, direction): BoundaryMonitor(
+                config.monitor_settings(direction, seed),
+                hidden_size=hidden_size,
+                expected_shape=expected_shape,
+                ledger=self.ledger,
+            )
+            for boundary in boundaries
+            for direction in ("activation", "gradient")
+        }
+
+    @property
+    def boundaries(self) -> list[int]:
+        return sorted({boundary for boundary, _ in self.monitors})
+
+    def check(self, boundary: int, direction: str, tensor: torch.Tensor, sender: str, tainted: bool) -> Verdict:
+        monitor = self.monitors.get((boundary, direction))
+        if monitor is None:
+            raise KeyError(f"this verifier does not serve boundary {boundary} ({direction})")
+        if not self.enabled:
+            return Verdict(flagged=False, reason=None, tensor=tensor, skipped=True)
+        return monitor.check(tensor, sender, tainted=tainted)
+
+    def is_banned(self, sender: str) -> bool:
+        return self.ledger.is_banned(sender)

@@ -1,0 +1,98 @@
+"""One replica of one stage: forward and backward of microbatches, gradient accumulation, optimizer steps."""
+
+from __future__ import annotations
+
+import torch
+
+from sentinel_node.config import ModelConfig, PipelineConfig
+from sentinel_node.model import StageModule, build_stage
+
+
+class StageWorker:
+    """Holds stage `stage` of the model and its optimizer; keeps each microbatch's graph until its backward.
+
+    A replica steps on the trainer's global step with the mean gradient of the microbatches it served since the
+    last step, so replicas that are later averaged each contribute an unbiased update.
+    """
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        pipeline: PipelineConfig,
+        stage: int,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        max_pending: int = 64,
+    ):
+        self.stage, self.n_stages, self.pipeline = stage, pipeline.n_stages, pipeline
+        self.device = torch.device(device)
+        self.module: StageModule = build_stage(model, stage, pipeline.n_stages, seed).to(self.device)
+        self.optimizer = torch.optim.AdamW(
+            self.module.parameters(), lr=pipeline.lr, weight_decay=pipeline.weight_decay
+        )
+        self.max_pending = max_pending
+        self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.accumulated = 0
+        self.steps = 0
+
+    @property
+    def is_first(self) -> bool:
+        return self.module.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.module.is_last
+
+    def forward(self, microbatch: str, inputs: torch.Tensor) -> torch.Tensor:
+        """The stage's output for `inputs`; the graph is kept for `backward(microbatch, ...)`."""
+        if len(self._pending) >= self.max_pending:
+            raise RuntimeError(f"stage {self.stage} holds {self.max_pending} microbatches awaiting backward")
+        inputs = inputs.to(self.device)
+        if not self.is_first:
+            inputs = inputs.detach().requires_grad_(True)
+        output = self.module(inputs)
+        self._pending[microbatch] = (inputs, output)
+        return output.detach()
+
+    def forward_backward_loss(
+        self, microbatch: str, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[float, torch.Tensor | None]:
+        """Last stage: the loss and the gradient for the stage's input; accumulates this stage's gradients."""
+        self.forward(microbatch, inputs)
+        inputs, logits = self._pending.pop(microbatch)
+        loss = self.module.loss(logits, targets.to(self.device))
+        loss.backward()
+        self.accumulated += 1
+        grad = inputs.grad.detach() if inputs.grad is not None else None
+        return float(loss.detach()), grad
+
+    def backward(self, microbatch: str, grad_output: torch.Tensor) -> torch.Tensor | None:
+        """Accumulates gradients for `microbatch`; returns the gradient for the stage's input (None on stage 0)."""
+        inputs, output = self._pending.pop(microbatch)
+        output.backward(grad_output.to(device=self.device, dtype=output.dtype))
+        self.accumulated += 1
+        return None if self.is_first else inputs.grad.detach()
+
+    def discard(self, microbatch: str) -> None:
+        """Forgets a microbatch whose gradient will never come (dropped, failed, or its output was replaced)."""
+        self._pending.pop(microbatch, None)
+
+    def learning_rate(self, step: int) -> float:
+        warmup = self.pipeline.warmup_steps
+        return self.pipeline.lr * min(1.0, (step + 1) / warmup) if warmup else self.pipeline.lr
+
+    def step(self, global_step: int) -> bool:
+        """Applies the mean of the accumulated gradients; False when this replica served nothing since the last."""
+        if self.accumulated == 0:
+            return False
+        for param in self.module.parameters():
+            if param.grad is not None:
+                param.grad /= self.accumulated
+        torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.pipeline.grad_clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate(global_step)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.accumulated = 0
+        self.steps += 1
+        return True

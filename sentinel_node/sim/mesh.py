@@ -1,0 +1,284 @@
+"""A data x pipeline parallel mesh trained in one process, with the stage and verifier code the network uses.
+
+Per microbatch the mesh picks a random live replica per stage and a verifier per boundary, runs the forward pass
+stage by stage through the verifiers, the loss on the last stage, and the backward pass back through them.
+Malicious replicas corrupt what they send after the attack start; verifiers flag, replace, taint and strike; a
+sender banned by any verifier leaves the routing and the parameter averaging (the simulator trusts every
+verifier, as a swarm does with `trusted_verifiers` and a quorum of one).
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from sentinel_node.attacks import Attacker, AttackFn
+from sentinel_node.config import Config
+from sentinel_node.model.corpus import Corpus, sample_batch, validation_batches
+from sentinel_node.pipeline import BoundaryVerifier, StageWorker
+from sentinel_node.sim.stats import DetectionStats
+from sentinel_node.verification import Verdict
+
+Target = Literal["activation", "gradient", "both"]
+DIRECTIONS = ("activation", "gradient")
+
+
+@dataclass(frozen=True)
+class AttackPlan:
+    """Which attack malicious replicas run and on what; `make(direction)` builds one attack function."""
+
+    name: str
+    target: Target
+    make: Callable[[str], AttackFn]
+
+    def directions(self) -> tuple[str, ...]:
+        return DIRECTIONS if self.target == "both" else (self.target,)
+
+
+@dataclass
+class SimWorker:
+    id: str
+    stage: int
+    worker: StageWorker
+    attackers: dict[str, Attacker] = field(default_factory=dict)
+
+    @property
+    def malicious(self) -> bool:
+        return bool(self.attackers)
+
+    def send(self, direction: str, tensor: torch.Tensor, step: int) -> tuple[torch.Tensor, bool]:
+        attacker = self.attackers.get(direction)
+        return attacker(tensor, step) if attacker is not None else (tensor, False)
+
+
+@dataclass
+class StepLog:
+    step: int
+    loss: float
+    val_loss: float | None
+    flags: int
+    strikes: int
+    banned: list[str]
+
+
+@dataclass
+class SimResult:
+    malicious: list[str]
+    honest: list[str]
+    banned_at: dict[str, tuple[int, int]]  # worker -> (global step, microbatches since the attack start)
+    stats: DetectionStats
+    val_curve: list[tuple[int, float]]
+    train_losses: list[float]
+    honest_max_strikes: int
+    microbatches: int
+    dropped: int
+
+    @property
+    def final_val_loss(self) -> float:
+        return self.val_curve[-1][1]
+
+
+class Mesh:
+    """The mesh for one run; `run()` trains it and returns what happened."""
+
+    def __init__(
+        self,
+        config: Config,
+        corpus: Corpus,
+        plan: AttackPlan | None = None,
+        verify: bool = True,
+        seed: int | None = None,
+    ):
+        self.config, self.corpus, self.plan, self.verify = config, corpus, plan, verify
+        self.seed = config.swarm.seed if seed is None else seed
+        pipe, sim = config.pipeline, config.sim
+        self.n_stages = pipe.n_stages
+        self.shape = (pipe.microbatch_size, pipe.seq_len, config.model.hidden_size)
+        self.workers = [
+            [
+                SimWorker(f"s{k}r{r}", k, StageWorker(config.model, pipe, k, seed=self.seed))
+                for r in range(sim.replicas)
+            ]
+            for k in range(self.n_stages)
+        ]
+        self._arm_attackers()
+        self.verifiers = [
+            [
+                BoundaryVerifier(config.verification, [k], config.model.hidden_size, self.shape, self.seed, verify)
+                for _ in range(sim.verifiers_per_boundary)
+            ]
+            for k in range(self.n_stages - 1)
+        ]
+        self.excluded: dict[str, tuple[int, int]] = {}
+        self.stats = DetectionStats()
+        self.routing = random.Random(self.seed + 1)
+        self.data_rng = np.random.default_rng([self.seed, 0xDA7A])
+        self.val_batches = validation_batches(corpus, sim.eval_batches, pipe.microbatch_size, pipe.seq_len, self.seed)
+        self.eval_stages = [StageWorker(config.model, pipe, k, seed=self.seed).module for k in range(self.n_stages)]
+        self.microbatches = 0
+        self.attack_microbatches = 0
+        self.dropped = 0
+
+    def _arm_attackers(self) -> None:
+        if self.plan is None:
+            return
+        sim = self.config.sim
+        picker = random.Random(self.seed + 2)
+        per_stage = int(sim.replicas * sim.malicious_fraction)
+        per_stage = min(per_stage, (sim.replicas - 1) // 2)  # an honest majority on every stage
+        for k, replicas in enumerate(self.workers):
+            if (k == 0 and not sim.attack_first_stage) or (k == self.n_stages - 1 and not sim.attack_last_stage):
+                continue
+            for worker in picker.sample(replicas, per_stage):
+                for direction in self.plan.directions():
+                    if (direction == "activation" and k == self.n_stages - 1) or (direction == "gradient" and k == 0):
+                        continue  # the last stage sends no activation, the first no gradient
+                    seed = zlib.crc32(f"{self.seed}:{worker.id}:{direction}".encode())
+                    worker.attackers[direction] = Attacker(
+                        self.plan.make(direction),
+                        start=sim.attack_start,
+                        probability=sim.attack_probability,
+                        seed=seed,
+                    )
+
+    @property
+    def all_workers(self) -> list[SimWorker]:
+        return [w for stage in self.workers for w in stage]
+
+    def _live(self, stage: int) -> list[SimWorker]:
+        live = [w for w in self.workers[stage] if w.id not in self.excluded]
+        return live or self.workers[stage]
+
+    def _check(
+        self,
+        boundary: int,
+        direction: str,
+        tensor: torch.Tensor,
+        sender: SimWorker,
+        attacked: bool,
+        tainted: bool,
+        step: int,
+    ) -> Verdict:
+        verifier = self.routing.choice(self.verifiers[boundary])
+        verdict = verifier.check(boundary, direction, tensor, sender.id, tainted)
+        self.stats.record(direction, attacked, verdict)
+        if verdict.banned and sender.id not in self.excluded:
+            self.excluded[sender.id] = (step, self.attack_microbatches)
+        return verdict
+
+    def _microbatch(self, step: int, name: str, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        route = [self.routing.choice(self._live(k)) for k in range(self.n_stages)]
+        hidden, tainted, replaced_at = inputs, False, None
+        for k in range(self.n_stages - 1):
+            sender = route[k]
+            sent, attacked = sender.send("activation", sender.worker.forward(name, hidden), step)
+            verdict = self._check(k, "activation", sent, sender, attacked, tainted, step)
+            if verdict.flagged and replaced_at is None:
+                replaced_at = k
+            tainted = tainted or verdict.tainted
+            if verdict.tensor is None or tuple(verdict.tensor.shape) != self.shape:
+                # dropped by policy, or (undefended) a tensor the next stage cannot even take
+                return self._drop(route[: k + 1], name)
+            hidden = verdict.tensor
+        loss, grad = route[-1].worker.forward_backward_loss(name, hidden, targets)
+        for k in range(self.n_stages - 1, 0, -1):
+            boundary = k - 1
+            if boundary == replaced_at:
+                # the gradient of a replaced activation says nothing about what its sender computed
+                self._drop(route[:k], name)
+                return loss
+            sent, attacked = route[k].send("gradient", grad, step)
+            verdict = self._check(boundary, "gradient", sent, route[k], attacked, tainted, step)
+            tainted = tainted or verdict.tainted
+            if verdict.tensor is None or tuple(verdict.tensor.shape) != self.shape:
+                self._drop(route[:k], name)
+                return loss
+            grad = route[k - 1].worker.backward(name, verdict.tensor)
+        return loss
+
+    def _drop(self, route: list[SimWorker], name: str) -> None:
+        for worker in route:
+            worker.worker.discard(name)
+        self.dropped += 1
+
+    def _average(self) -> None:
+        """Replicas of each stage average parameters, leaving excluded peers out (hivemind's averager's role)."""
+        for stage in self.workers:
+            live = [w.worker.module for w in stage if w.id not in self.excluded]
+            with torch.no_grad():
+                for params in zip(*(m.parameters() for m in live), strict=True):
+                    mean = torch.stack([p.data for p in params]).mean(0)
+                    for p in params:
+                        p.data.copy_(mean)
+
+    @torch.no_grad()
+    def validation_loss(self) -> float:
+        for k, module in enumerate(self.eval_stages):
+            live = [w.worker.module for w in self._live(k)]
+            for target, *sources in zip(module.parameters(), *(m.parameters() for m in live), strict=True):
+                target.copy_(torch.stack(sources).mean(0))
+        losses = []
+        for inputs, targets in self.val_batches:
+            hidden = inputs
+            for module in self.eval_stages:
+                hidden = module(hidden)
+            losses.append(float(self.eval_stages[-1].loss(hidden, targets)))
+        return float(np.mean(losses))
+
+    def run(self, steps: int | None = None, on_step: Callable[[StepLog], None] | None = None) -> SimResult:
+        pipe, sim = self.config.pipeline, self.config.sim
+        steps = sim.steps if steps is None else steps
+        val_curve = [(0, self.validation_loss())]
+        train_losses = []
+        for step in range(steps):
+            losses = []
+            for m in range(pipe.microbatches_per_step):
+                inputs, targets = sample_batch(self.corpus.train, pipe.microbatch_size, pipe.seq_len, self.data_rng)
+                self.microbatches += 1
+                self.attack_microbatches += int(step >= sim.attack_start)
+                loss = self._microbatch(step, f"{step}:{m}", inputs, targets)
+                if loss is not None:
+                    losses.append(loss)
+            for worker in self.all_workers:
+                worker.worker.step(step)
+            if (step + 1) % pipe.average_every == 0:
+                self._average()
+            train_losses.append(float(np.mean(losses)) if losses else float("nan"))
+            val = None
+            if (step + 1) % sim.eval_every == 0 or step == steps - 1:
+                val = self.validation_loss()
+                val_curve.append((step + 1, val))
+            if on_step is not None:
+                on_step(self._step_log(step, train_losses[-1], val))
+        return self._result(val_curve, train_losses)
+
+    def _ledgers(self):
+        return [v.ledger for verifiers in self.verifiers for v in verifiers]
+
+    def _step_log(self, step: int, loss: float, val: float | None) -> StepLog:
+        strikes = sum(rec.strikes for ledger in self._ledgers() for rec in ledger.senders.values())
+        return StepLog(step, loss, val, self.stats.flags, strikes, sorted(self.excluded))
+
+    def _result(self, val_curve, train_losses) -> SimResult:
+        malicious = sorted(w.id for w in self.all_workers if w.malicious)
+        honest = sorted(w.id for w in self.all_workers if not w.malicious)
+        honest_strikes = [
+            rec.strikes for ledger in self._ledgers() for sender, rec in ledger.senders.items() if sender in honest
+        ]
+        return SimResult(
+            malicious=malicious,
+            honest=honest,
+            banned_at=dict(self.excluded),
+            stats=self.stats,
+            val_curve=val_curve,
+            train_losses=train_losses,
+            honest_max_strikes=max(honest_strikes, default=0),
+            microbatches=self.microbatches,
+            dropped=self.dropped,
+        )

@@ -1,0 +1,185 @@
+"""One boundary, one direction: check every tensor that crosses it (DESIGN.md section 3, steps 1-7)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sentinel_node.verification.baseline import EmaBaseline
+from sentinel_node.verification.drift import DriftTest
+from sentinel_node.verification.metrics import METRICS
+from sentinel_node.verification.profile import Profiler
+from sentinel_node.verification.strikes import SenderRecord, StrikeLedger
+from sentinel_node.verification.thresholds import AdaptiveThreshold
+
+REPLACEMENTS = ("ema", "zero", "drop")
+
+
+@dataclass(frozen=True)
+class MonitorSettings:
+    """Plain values for one monitor; `sentinel_node.config.VerificationConfig.monitor_settings` builds them."""
+
+    beta: float
+    n_projections: int
+    n_quantiles: int
+    spectral_rank: int
+    window: int
+    fence_k: float
+    fence_space: str
+    floors: dict[str, float]
+    row_clip: float
+    warmup: int
+    strike_limit: int
+    forgive_after: int
+    drift_window: int
+    drift_limit: float
+    replacement: str
+    seed: int
+
+
+@dataclass
+class Verdict:
+    """What a check decided. `tensor` is what to pass on: the input, or a replacement; None means drop it."""
+
+    flagged: bool
+    reason: str | None
+    tensor: torch.Tensor | None
+    scores: dict[str, float] = field(default_factory=dict)
+    thresholds: dict[str, float] = field(default_factory=dict)
+    skipped: bool = False
+    warming_up: bool = False
+    sender: SenderRecord | None = None
+
+    @property
+    def tainted(self) -> bool:
+        """The microbatch no longer carries its true tensor: checks further along must not judge it."""
+        return self.flagged
+
+    @property
+    def banned(self) -> bool:
+        return self.sender is not None and self.sender.banned
+
+
+class BoundaryMonitor:
+    """Checks tensors crossing one boundary in one direction against an EMA baseline.
+
+    `check(tensor, sender)` returns a Verdict; the strike ledger (shared by a verifier's monitors when it passes
+    one in) says when a sender is banned. Tensors of tainted microbatches are neither judged nor learned from.
+    """
+
+    def __init__(
+        self,
+        settings: MonitorSettings,
+        hidden_size: int,
+        expected_shape: tuple[int, ...] | None = None,
+        dtype: torch.dtype = torch.float32,
+        ledger: StrikeLedger | None = None,
+    ):
+        if settings.replacement not in REPLACEMENTS:
+            raise ValueError(f"replacement must be one of {REPLACEMENTS}, not {settings.replacement!r}")
+        self.settings, self.hidden_size, self.expected_shape, self.dtype = settings, hidden_size, expected_shape, dtype
+        self.profiler = Profiler(
+            hidden_size,
+            settings.n_projections,
+            settings.n_quantiles,
+            settings.spectral_rank,
+            settings.seed,
+            settings.row_clip,
+        )
+        self.baseline = EmaBaseline(settings.beta)
+        self.thresholds = {
+            name: AdaptiveThreshold(settings.window, settings.fence_k, settings.floors[name], settings.fence_space)
+            for name in METRICS
+        }
+        self.drift = DriftTest(settings.drift_window, settings.drift_limit)
+        self.ledger = ledger if ledger is not None else StrikeLedger(settings.strike_limit, settings.forgive_after)
+        self.generator = torch.Generator().manual_seed(settings.seed)
+        self.accepted = 0
+
+    @property
+    def warming_up(self) -> bool:
+        return self.accepted < self.settings.warmup
+
+    def check(self, tensor: torch.Tensor, sender: str, tainted: bool = False) -> Verdict:
+        malformed = self._malformed(tensor)
+        if tainted:
+            # an honest peer downstream of a replaced tensor is not to blame; only keep garbage from travelling
+            replacement = self._replace(tensor) if malformed else tensor
+            return Verdict(flagged=False, reason=malformed, tensor=replacement, skipped=True)
+        if malformed:
+            return self._flag(tensor, sender, malformed)
+
+        profile = self.profiler(tensor)
+        reference = self.baseline.reference
+        if reference is None:
+            self._accept(profile, {})
+            return Verdict(False, None, tensor, warming_up=True, sender=self.ledger.record(sender, False))
+
+        scores = {name: metric(profile, reference) for name, metric in METRICS.items()}
+        limits = {name: self.thresholds[name].threshold() for name in METRICS}
+        if self.warming_up:
+            self._accept(profile, scores)
+            return Verdict(
+                False, None, tensor, scores, limits, warming_up=True, sender=self.ledger.record(sender, False)
+            )
+
+        over = [name for name in METRICS if scores[name] > limits[name]]
+        if over:
+            return self._flag(tensor, sender, "metric:" + ",".join(over), scores, limits)
+        severity = max(self.thresholds[name].severity(scores[name]) for name in METRICS)
+        if self.drift.observe(sender, severity):
+            return self._flag(tensor, sender, "drift", scores, limits)
+        self._accept(profile, scores)
+        return Verdict(False, None, tensor, scores, limits, sender=self.ledger.record(sender, False))
+
+    def _malformed(self, tensor: torch.Tensor) -> str | None:
+        if not isinstance(tensor, torch.Tensor):
+            return f"not a tensor: {type(tensor).__name__}"
+        if self.expected_shape is not None and tuple(tensor.shape) != tuple(self.expected_shape):
+            return f"shape {tuple(tensor.shape)} instead of {tuple(self.expected_shape)}"
+        if tensor.dim() != 3 or tensor.shape[-1] != self.hidden_size:
+            return f"shape {tuple(tensor.shape)} is not (batch, tokens, {self.hidden_size})"
+        if tensor.dtype != self.dtype:
+            return f"dtype {tensor.dtype} instead of {self.dtype}"
+        if not torch.isfinite(tensor).all():
+            return "non-finite values"
+        return None
+
+    def _flag(
+        self,
+        tensor: torch.Tensor,
+        sender: str,
+        reason: str,
+        scores: dict[str, float] | None = None,
+        limits: dict[str, float] | None = None,
+    ) -> Verdict:
+        return Verdict(
+            flagged=True,
+            reason=reason,
+            tensor=self._replace(tensor),
+            scores=scores or {},
+            thresholds=limits or {},
+            sender=self.ledger.record(sender, True),
+        )
+
+    def _accept(self, profile, scores: dict[str, float]) -> None:
+        self.baseline.update(profile)
+        for name, score in scores.items():
+            self.thresholds[name].accept(score)
+        self.accepted += 1
+
+    def _replace(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        policy = self.settings.replacement
+        if policy == "drop":
+            return None
+        shape = self.expected_shape or _plausible_shape(tensor, self.hidden_size)
+        if policy == "zero":
+            return torch.zeros(shape, dtype=self.dtype)
+        return self.baseline.replacement(shape, self.dtype, self.generator)
+
+
+def _plausible_shape(tensor: torch.Tensor, hidden_size: int) -> tuple[int, ...]:
+    """The shape a replacement should take when the monitor was not told one: the input's, mended to hidden size."""
+    shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) and tensor.dim() == 3 else (1, 1, hidden_size)
+    return (*shape[:-1], hidden_size)

@@ -1,0 +1,60 @@
+"""Step 4 of SENTINEL: adaptive thresholds, a Tukey fence over a window of recently accepted scores."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+SPACES = ("relative_log", "linear")
+
+
+class AdaptiveThreshold:
+    """threshold = Q3 + k * IQR of the last `window` accepted scores, never below `floor`.
+
+    In "relative_log" space the fence is taken over log(1 + score / median): honest distances are right-skewed
+    with heavy tails, and a linear fence over them flags about one honest tensor in a hundred per metric; a plain
+    log blows up on scores near zero. The transform is linear below the median and logarithmic far above it.
+    """
+
+    def __init__(self, window: int, k: float, floor: float, space: str = "relative_log"):
+        if space not in SPACES:
+            raise ValueError(f"fence space must be one of {SPACES}, not {space!r}")
+        self.k, self.floor, self.space = k, floor, space
+        self.scores: deque[float] = deque(maxlen=window)
+        self._cached: tuple[float, float, float] | None = None  # (scale, median, fence), fence in transformed space
+
+    def accept(self, score: float) -> None:
+        self.scores.append(score)
+        self._cached = None
+
+    def _fence(self) -> tuple[float, float, float] | None:
+        if len(self.scores) < 4:
+            return None
+        if self._cached is None:
+            raw = np.fromiter(self.scores, float)
+            scale = max(float(np.median(raw)), self.floor, 1e-12) if self.space == "relative_log" else 1.0
+            values = np.log1p(raw / scale) if self.space == "relative_log" else raw
+            q1, median, q3 = np.quantile(values, [0.25, 0.5, 0.75])
+            fence = max(q3 + self.k * (q3 - q1), self._transform(self.floor, scale))
+            self._cached = (scale, float(median), float(fence))
+        return self._cached
+
+    def _transform(self, score: float, scale: float) -> float:
+        return math.log1p(max(score, 0.0) / scale) if self.space == "relative_log" else score
+
+    def threshold(self) -> float:
+        fence = self._fence()
+        if fence is None:
+            return math.inf
+        scale, _, limit = fence
+        return scale * math.expm1(limit) if self.space == "relative_log" else limit
+
+    def severity(self, score: float) -> float:
+        """Where `score` lies between the window's median (0) and the threshold (1); the drift test averages it."""
+        fence = self._fence()
+        if fence is None:
+            return 0.0
+        scale, median, limit = fence
+        return (self._transform(score, scale) - median) / max(limit - median, 1e-9)
