@@ -1,0 +1,128 @@
+"""Parameter averaging between the replicas of one stage, through hivemind's DecentralizedAverager, never with a
+peer the swarm has excluded.
+
+hivemind's averager runs in a forked process of its own and knows nothing of exclusion, so
+:class:`ExcludingAverager` is told the excluded set through the averager's control pipe and (1) refuses excluded
+peers that ask to join a group it leads, (2) refuses to run all-reduce in a group that holds one (a group led by
+an excluded peer). :class:`ReplicaAverager` keeps the stage's parameters out of the averager's shared memory: it
+averages a snapshot and applies the change (average - snapshot), so optimizer steps taken while a round runs are
+not lost.
+"""
+
+from collections.abc import AsyncIterator, Iterable
+
+import torch
+from hivemind import DHT
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import AllreduceException
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_logger
+
+logger = get_logger(__name__)
+
+
+class ExcludingAverager(DecentralizedAverager):
+    """A DecentralizedAverager that leaves out the peers named by :meth:`set_excluded`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._excluded: frozenset[str] = frozenset()  # read in the averager's process
+        self._excluded_sent: frozenset[str] = frozenset()  # what this (the parent) process last sent it
+
+    def set_excluded(self, peers: Iterable[str]) -> None:
+        """Called in the owner's process; takes effect in the averager's process within a moment."""
+        peers = frozenset(peers)
+        if peers != self._excluded_sent and self.is_alive():
+            self._excluded_sent = peers
+            self._outer_pipe.send(("_set_excluded", [sorted(peers)], {}))
+
+    async def _set_excluded(self, peers: list[str]) -> None:
+        self._excluded = frozenset(peers)
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if context.remote_id.to_base58() in self._excluded:
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        excluded = [peer.to_base58() for peer in group_info.peer_ids if peer.to_base58() in self._excluded]
+        if excluded:
+            raise AllreduceException(f"the group holds excluded peers {excluded}; not averaging with it")
+        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+
+
+class ReplicaAverager:
+    """Averages ``module``'s parameters with the same stage's other replicas (``prefix`` names the stage).
+
+    Call :meth:`snapshot` and :meth:`apply` where the module's parameters are not in use (a stage's compute
+    lane) and :meth:`average` (blocking, seconds) anywhere else.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        dht: DHT,
+        prefix: str,
+        matchmaking_time: float,
+        timeout: float,
+        start_timeout: float = 60.0,
+    ) -> None:
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.timeout = timeout
+        buffers = [p.detach().clone() for p in self.params]
+        self.averager = ExcludingAverager(
+            buffers,
+            dht,
+            start=False,
+            prefix=prefix,
+            min_matchmaking_time=matchmaking_time,
+            request_timeout=max(0.5, matchmaking_time / 2),
+            allreduce_timeout=timeout,
+            min_group_size=2,
+        )
+        # start() directly: run_in_background() would set SIGINT to SIG_IGN in this process, undoing the role's trap
+        self.averager.start()
+        self.averager.wait_until_ready(start_timeout)
+        self.rounds = 0
+        self.failed = 0
+
+    def set_excluded(self, peers: Iterable[str]) -> None:
+        self.averager.set_excluded(peers)
+
+    @torch.no_grad()
+    def snapshot(self) -> list[torch.Tensor]:
+        """Copies the parameters into the averager; returns the copy to diff against after the round."""
+        snapshot = [p.detach().clone() for p in self.params]
+        with self.averager.get_tensors() as buffers:
+            for buffer, value in zip(buffers, snapshot, strict=True):
+                buffer.copy_(value)
+        return snapshot
+
+    def average(self, step: int) -> list[str] | None:
+        """One averaging round; the peer ids averaged with (self included), or None if no group formed."""
+        try:
+            gathered = self.averager.step(gather={"step": step}, timeout=self.timeout, allow_retries=True)
+        except Exception as e:  # matchmaking and all-reduce failures are normal when replicas come and go
+            logger.debug(f"averaging round for step {step} failed: {type(e).__name__}: {e}")
+            gathered = None
+        if not gathered:
+            self.failed += 1
+            return None
+        self.rounds += 1
+        return sorted(peer.to_base58() for peer in gathered)
+
+    @torch.no_grad()
+    def apply(self, snapshot: list[torch.Tensor]) -> None:
+        with self.averager.get_tensors() as buffers:
+            for param, buffer, before in zip(self.params, buffers, snapshot, strict=True):
+                param.add_(buffer - before)
+
+    def shutdown(self) -> None:
+        if self.averager.is_alive():
+            self.averager.shutdown()

@@ -1,0 +1,439 @@
+"""The stage role: one replica of stage K of the model, serving microbatches as nested calls (DESIGN.md section 5).
+
+``sentinel.stage.forward`` takes a microbatch (stage 0: token ids; later stages: the hidden states a verifier of
+boundary K-1|K relayed) with its targets, computes the stage's forward pass, calls the next hop of the route (the
+verifier of boundary K|K+1) and waits for the gradient it answers with, runs the backward pass with it, and
+answers its own caller with the gradient for its input. The last stage computes the loss and answers with its
+input gradient at once. An answer without a gradient means a verifier dropped the microbatch's gradient: the
+stage forgets its graph and passes that on.
+
+Callers: activations are accepted only from a live verifier announced for the input boundary (stage 0: from a
+live trainer), never from an excluded peer; the caller is the authenticated peer id of the connection.
+
+Steps: ``sentinel.stage.step`` (from a live trainer) applies the mean of the gradients accumulated since the last
+step; a forward for a later step first applies a step that was missed. Every ``pipeline.average_every`` steps the
+replica averages its parameters with the stage's other live replicas (see :mod:`sentinel_node.roles.averaging`).
+
+Red team: with an :class:`AttackOptions`, the replica corrupts the activations and/or gradients it sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time, get_logger
+
+from dht import Announcer, StageAnnouncement
+from peers import LivenessBlacklist
+from sentinel_node.attacks import Attacker, AttackError, load_attack_file, make_attack
+from sentinel_node.config import Config
+from sentinel_node.pipeline import StageWorker
+from sentinel_node.roles.averaging import ReplicaAverager
+from sentinel_node.roles.common import JoinOptions, NodeError, software_version
+from sentinel_node.roles.runtime import (
+    STAGE_FORWARD,
+    STAGE_STEP,
+    VERIFIER_RELAY,
+    ComputeLane,
+    Gatekeeper,
+    NodeContext,
+    PipelineRequest,
+    Shapes,
+    StepReply,
+    StepRequest,
+    ViewKeeper,
+    live_trainer,
+    live_verifier,
+    note_failures,
+    order_candidates,
+    periodically,
+    pipeline_node,
+    replicate_p2p,
+    transport_settings,
+    view_summary,
+    wait_for_stop,
+    write_status,
+)
+from sentinel_node.transport import (
+    Answer,
+    HopError,
+    HopMalformed,
+    HopRefused,
+    Incoming,
+    MicrobatchReply,
+    TensorServer,
+    call_first_available,
+)
+
+logger = get_logger(__name__)
+
+AttackTarget = Literal["activation", "gradient", "both"]
+
+# Averaging rounds: how long replicas look for each other, and how long a round may take in all.
+AVERAGE_MATCHMAKING_S = 2.0
+AVERAGE_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True)
+class AttackOptions:
+    """A red-team replica: what it corrupts, from which global step, how often."""
+
+    name: str | None = None  # from the catalogue (sentinel_node.attacks)
+    file: str | None = None  # or PATH.py:NAME
+    target: AttackTarget = "both"
+    start: int = 0
+    probability: float = 1.0
+
+    def build(self, config: Config, stage: int, seed: int) -> dict[str, Attacker]:
+        """An Attacker per direction this stage sends (the last stage sends no activation, stage 0 no gradient)."""
+        if (self.name is None) == (self.file is None):
+            raise AttackError("give exactly one of --attack NAME and --attack-file PATH.py:NAME")
+        if not 0 < self.probability <= 1:
+            raise AttackError(f"--attack-probability must be in (0, 1], got {self.probability}")
+        directions = ("activation", "gradient") if self.target == "both" else (self.target,)
+        n_stages = config.pipeline.n_stages
+        attackers = {}
+        for direction in directions:
+            if (direction == "activation" and stage == n_stages - 1) or (direction == "gradient" and stage == 0):
+                continue
+            if self.file is not None:
+                fn = load_attack_file(self.file)[1]
+            elif self.name == "adaptive":
+                fn = make_attack("adaptive", settings=config.verification.monitor_settings(direction, seed))
+            else:
+                fn = make_attack(self.name)
+            attack_seed = zlib.crc32(f"{seed}:{stage}:{direction}".encode())
+            attackers[direction] = Attacker(fn, start=self.start, probability=self.probability, seed=attack_seed)
+        if not attackers:
+            raise AttackError(f"stage {stage} sends no {self.target}: nothing to attack (choose another target)")
+        return attackers
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    stage: int
+    attack: AttackOptions | None = None
+    device: str = "cpu"
+    status_file: str | None = None
+    average: bool = True
+
+
+def run_stage(
+    options: JoinOptions,
+    on_ready: Callable[[str, list[str]], None],
+    stop_event: threading.Event | None = None,
+    *,
+    settings: StageOptions,
+) -> None:
+    """Serves stage ``settings.stage`` until SIGTERM/SIGINT (or ``stop_event``)."""
+    config = options.config
+    n_stages = config.pipeline.n_stages
+    if not 0 <= settings.stage < n_stages:
+        raise NodeError(f"--stage {settings.stage} is outside 0..{n_stages - 1} (the config has {n_stages} stages)")
+    torch.set_num_threads(1)  # many nodes share a machine's cores; one thread each avoids oversubscription
+    seed = config.swarm.seed
+    try:
+        attackers = settings.attack.build(config, settings.stage, seed) if settings.attack else {}
+    except AttackError as e:
+        raise NodeError(str(e)) from None
+    worker = StageWorker(config.model, config.pipeline, settings.stage, seed=seed, device=settings.device)
+    with pipeline_node(options, stop_event) as context:
+        averager = None
+        if settings.average:
+            averager = ReplicaAverager(
+                worker.module,
+                context.dht,
+                prefix=f"{config.swarm.prefix}_stage{settings.stage}",
+                matchmaking_time=AVERAGE_MATCHMAKING_S,
+                timeout=AVERAGE_TIMEOUT_S,
+            )
+        try:
+            asyncio.run(StageNode(context, settings, worker, attackers, averager).serve(on_ready))
+        finally:
+            if averager is not None:
+                averager.shutdown()
+
+
+class StageNode:
+    """The serving side of one stage replica."""
+
+    def __init__(
+        self,
+        context: NodeContext,
+        settings: StageOptions,
+        worker: StageWorker,
+        attackers: dict[str, Attacker],
+        averager: ReplicaAverager | None,
+    ) -> None:
+        self.context, self.settings, self.worker = context, settings, worker
+        self.config = context.config
+        self.stage = settings.stage
+        self.n_stages = self.config.pipeline.n_stages
+        self.attackers = attackers
+        self.averager = averager
+        self.shapes = Shapes.of(self.config)
+        self.transport = transport_settings(self.config)
+        self.lane = ComputeLane(f"stage{self.stage}")
+        self.views = ViewKeeper(context)
+        self.gate = Gatekeeper(self.views)
+        self.blacklist = LivenessBlacklist()
+        self.p2p: P2P | None = None
+        self.last_step = -1  # the last global step applied
+        self.stats = {"served": 0, "evaluated": 0, "dropped": 0, "failed": 0, "attacked": 0, "steps": 0}
+        self.averaging: asyncio.Task | None = None
+        self.averaged_with: list[str] = []
+        self._compute_s = 0.0
+        self._throughput = 0.0
+
+    # --- lifecycle
+
+    async def serve(self, on_ready: Callable[[str, list[str]], None]) -> None:
+        context = self.context
+        self.p2p = await replicate_p2p(context)
+        server = TensorServer(self.p2p, self.transport)
+        if self.worker.is_first:
+            expect = [self.shapes.tokens, self.shapes.tokens]
+        else:
+            expect = [self.shapes.hidden_spec, self.shapes.tokens]
+        await server.add_handler(STAGE_FORWARD, self._forward, PipelineRequest, authorize=self._admit, expect=expect)
+        await server.add_handler(STAGE_STEP, self._step, StepRequest, authorize=self._admit_step, expect=[])
+        if self.averager is not None:
+            self.views.listeners.append(lambda view: self.averager.set_excluded(view.excluded))
+        announcer = Announcer(
+            context.store, self._announcement(), self.config.swarm.announce_period, self.config.swarm.announce_ttl
+        ).start()
+        background = [
+            asyncio.create_task(self.views.run()),
+            asyncio.create_task(periodically(self.config.swarm.announce_period, lambda: self._report(announcer))),
+        ]
+        kind = "red-team replica" if self.attackers else "replica"
+        logger.info(f"stage {self.stage} {kind} {context.peer_id} serving swarm {self.config.swarm.prefix}")
+        on_ready(context.peer_id, context.maddrs)
+        try:
+            await wait_for_stop(context)
+        finally:
+            for task in background:
+                task.cancel()
+            if self.averaging is not None:
+                self.averaging.cancel()
+            await server.remove_handlers()
+            announcer.stop(offline=context.dht.is_alive())
+            self._write_status()
+            self.lane.close()
+            await self.p2p.shutdown()
+
+    def _announcement(self) -> StageAnnouncement:
+        return StageAnnouncement(
+            peer_id=self.context.peer_id,
+            maddrs=self.context.maddrs,
+            state="online",
+            relayed=False,
+            throughput=0.0,
+            stage=self.stage,
+            config_hash=self.config.swarm_hash(),
+            version=software_version(),
+            time=get_dht_time(),
+        )
+
+    def _report(self, announcer: Announcer) -> None:
+        if self._compute_s > 0:
+            # tokens per second of this replica's own compute: what the trainer weighs routes by
+            served = self.stats["served"] + self.stats["evaluated"]
+            self._throughput = float(served * self.shapes.tokens_per_microbatch / self._compute_s)
+            announcer.update(throughput=self._throughput)
+        self._write_status()
+
+    def _write_status(self) -> None:
+        write_status(
+            self.settings.status_file,
+            {
+                "role": "stage",
+                "stage": self.stage,
+                "peer_id": self.context.peer_id,
+                "attacker": bool(self.attackers),
+                "last_step": self.last_step,
+                "averaging_rounds": self.averager.rounds if self.averager else 0,
+                "averaged_with": self.averaged_with,
+                "throughput": self._throughput,
+                "time": time.time(),
+                **self.stats,
+                **view_summary(self.views.view),
+            },
+        )
+
+    # --- who may call
+
+    async def _admit(self, caller: str, metadata: PipelineRequest) -> None:
+        if self.stage == 0:
+            await self.gate.require(
+                caller, lambda view: live_trainer(view, caller), "stage 0 takes microbatches only from a live trainer"
+            )
+        else:
+            boundary = self.stage - 1
+            await self.gate.require(
+                caller,
+                lambda view: live_verifier(view, caller, boundary),
+                f"stage {self.stage} accepts activations only from a verifier announced for boundary "
+                f"{boundary}|{self.stage}",
+            )
+        if not self.worker.is_last and not metadata.route:
+            raise HopRefused(f"stage {self.stage} is not the last stage: the route must name the next hop")
+
+    async def _admit_step(self, caller: str, metadata: StepRequest) -> None:
+        await self.gate.require(caller, lambda view: live_trainer(view, caller), "only a live trainer paces steps")
+
+    # --- microbatches
+
+    async def _forward(self, incoming: Incoming[PipelineRequest]) -> Answer:
+        meta = incoming.metadata
+        inputs, targets = incoming.tensors
+        if (
+            int(targets.min()) < 0
+            or int(targets.max()) >= self.shapes.vocab
+            or (self.worker.is_first and (int(inputs.min()) < 0 or int(inputs.max()) >= self.shapes.vocab))
+        ):
+            raise HopMalformed(f"token ids must lie in [0, {self.shapes.vocab}); resend real tokens")
+        await self._catch_up(meta.step)
+        if not meta.train:
+            return await self._evaluate(meta, inputs, targets)
+        key = meta.microbatch_id
+        if self.worker.is_last:
+            loss, grad = await self._compute(self._loss_and_grad, key, inputs, targets, meta.step)
+            self.stats["served"] += 1
+            return Answer([grad], MicrobatchReply(loss=loss, taint=meta.taint))
+        output = await self._compute(self._forward_and_send, key, inputs, meta.step)
+        try:
+            reply = await self._call_next(meta, [output, targets])
+            gradients = reply.tensors
+            if len(gradients) > 1 or (gradients and not self._fits(gradients[0])):
+                raise HopMalformed(
+                    "the answer must be at most one finite float32 gradient of shape "
+                    f"{self.shapes.activation}, got {[tuple(g.shape) for g in gradients]}",
+                    peer=reply.peer,
+                )
+            if not gradients:  # a verifier dropped the gradient (or replaced our activation): nothing to learn
+                self.worker.discard(key)
+                self.stats["dropped"] += 1
+                return Answer([], reply.metadata)
+            grad_input = await self._compute(self._backward_and_send, key, gradients[0], meta.step)
+        except BaseException:
+            self.worker.discard(key)
+            self.stats["failed"] += 1
+            raise
+        self.stats["served"] += 1
+        return Answer([] if grad_input is None else [grad_input], reply.metadata)
+
+    async def _evaluate(self, meta: PipelineRequest, inputs: torch.Tensor, targets: torch.Tensor) -> Answer:
+        self.stats["evaluated"] += 1
+        if self.worker.is_last:
+            loss = await self._compute(self._eval_loss, inputs, targets)
+            return Answer([], MicrobatchReply(loss=loss, taint=meta.taint))
+        output = await self._compute(self._eval_forward, inputs, meta.step)
+        reply = await self._call_next(meta, [output, targets])
+        return Answer([], reply.metadata)
+
+    async def _call_next(self, meta: PipelineRequest, tensors: list[torch.Tensor]):
+        hop, next_meta = meta.advance()
+        candidates = order_candidates(hop, self.views.view, self.blacklist)
+        if not candidates:
+            raise HopRefused(f"every verifier the route names for boundary {self.stage}|{self.stage + 1} is excluded")
+        try:
+            reply = await call_first_available(
+                self.p2p, candidates, VERIFIER_RELAY, tensors, next_meta, settings=self.transport
+            )
+        except HopError as e:
+            note_failures(self.blacklist, e.failures or [e])
+            raise
+        note_failures(self.blacklist, reply.failures)
+        return reply
+
+    def _fits(self, tensor: torch.Tensor) -> bool:
+        return (
+            tensor.dtype == torch.float32
+            and tuple(tensor.shape) == self.shapes.activation
+            and bool(torch.isfinite(tensor).all())
+        )
+
+    # --- torch work, in the compute lane
+
+    async def _compute(self, fn: Callable, *args):
+        started = time.perf_counter()
+        try:
+            return await self.lane.run(fn, *args)
+        finally:
+            self._compute_s += time.perf_counter() - started
+
+    def _send(self, direction: str, tensor: torch.Tensor, step: int) -> torch.Tensor:
+        attacker = self.attackers.get(direction)
+        if attacker is None:
+            return tensor
+        sent, attacked = attacker(tensor, step)
+        self.stats["attacked"] += int(attacked)
+        return sent
+
+    def _forward_and_send(self, key: str, inputs: torch.Tensor, step: int) -> torch.Tensor:
+        return self._send("activation", self.worker.forward(key, inputs), step)
+
+    def _backward_and_send(self, key: str, grad_output: torch.Tensor, step: int) -> torch.Tensor | None:
+        grad_input = self.worker.backward(key, grad_output)
+        return None if grad_input is None else self._send("gradient", grad_input, step)
+
+    def _loss_and_grad(
+        self, key: str, inputs: torch.Tensor, targets: torch.Tensor, step: int
+    ) -> tuple[float, torch.Tensor]:
+        loss, grad = self.worker.forward_backward_loss(key, inputs, targets)
+        return loss, self._send("gradient", grad, step)
+
+    @torch.no_grad()
+    def _eval_forward(self, inputs: torch.Tensor, step: int) -> torch.Tensor:
+        return self._send("activation", self.worker.module(inputs), step)
+
+    @torch.no_grad()
+    def _eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        return float(self.worker.module.loss(self.worker.module(inputs), targets))
+
+    # --- global steps and averaging
+
+    async def _step(self, incoming: Incoming[StepRequest]) -> Answer:
+        step = incoming.metadata.step
+        microbatches = self.worker.accumulated
+        stepped = await self._apply_step(step)
+        return Answer([], StepReply(stepped=stepped, microbatches=microbatches, averaging=self.averaging is not None))
+
+    async def _catch_up(self, step: int) -> None:
+        """A microbatch of a later step means the trainer moved on: apply a step call that never arrived."""
+        if step > self.last_step + 1 and self.worker.accumulated:
+            logger.info(f"stage {self.stage}: no step call for step {step - 1}; applying it now")
+            await self._apply_step(step - 1)
+
+    async def _apply_step(self, step: int) -> bool:
+        if step <= self.last_step:
+            return False
+        self.last_step = step
+        stepped = await self._compute(self.worker.step, step)
+        self.stats["steps"] += int(stepped)
+        due = (step + 1) % self.config.pipeline.average_every == 0
+        if self.averager is not None and due and self.averaging is None:
+            self.averaging = asyncio.create_task(self._average(step))
+        return stepped
+
+    async def _average(self, step: int) -> None:
+        try:
+            snapshot = await self.lane.run(self.averager.snapshot)
+            group = await asyncio.to_thread(self.averager.average, step)
+            if group is not None:
+                await self.lane.run(self.averager.apply, snapshot)
+                self.averaged_with = group
+                logger.info(f"stage {self.stage}: averaged parameters at step {step} with {len(group) - 1} replicas")
+        except Exception:
+            logger.warning(f"stage {self.stage}: averaging at step {step} failed", exc_info=True)
+        finally:
+            self.averaging = None

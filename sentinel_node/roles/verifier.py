@@ -1,0 +1,393 @@
+"""The verifier role: relays microbatches across the boundaries it serves and checks both directions with SENTINEL.
+
+``sentinel.verifier.relay`` is called by a live replica of stage b with the activation it computed (and the
+targets). The verifier checks it with :class:`~sentinel_node.pipeline.BoundaryVerifier` (boundary b, sender =
+the caller's authenticated peer id), calls the next hop (a replica of stage b+1) with the activation or its clean
+replacement, checks the gradient that replica answers with (sender = that replica), and answers the caller with
+the gradient or its replacement. So a microbatch crosses a boundary as one call, forward and back.
+
+- A flagged tensor is replaced (or dropped, per ``verification.replacement``/``gradient_replacement``) and the
+  boundary is added to the microbatch's ``taint``, which travels in the call's metadata forward and in the reply
+  backward: other verifiers skip a tainted microbatch, so honest peers that merely propagate a replaced tensor are
+  not accused. The gradient of a replaced activation is not passed back (it says nothing about what the sender
+  computed): the sender gets an answer without a gradient.
+- A malformed activation (NaN/Inf, wrong shape or dtype) is a strike for its sender and a ``malformed`` error
+  back to it; a malformed gradient is a strike and is dropped (an answer cannot be refused).
+- Strikes and bans are published as signed :class:`~dht.StrikeRecord` (one per accused peer, refreshed on each
+  change, living ``swarm.strike_ttl`` seconds); a peer this verifier banned is refused as a caller and skipped as
+  a next hop. Excluded peers (the swarm's verdict) are refused too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time, get_logger
+
+from dht import Announcer, RecordError, RecordStore, StrikeRecord, VerifierAnnouncement
+from peers import LivenessBlacklist
+from sentinel_node.config import Config
+from sentinel_node.pipeline import BoundaryVerifier
+from sentinel_node.roles.common import JoinOptions, NodeError, software_version
+from sentinel_node.roles.runtime import (
+    STAGE_FORWARD,
+    VERIFIER_RELAY,
+    ComputeLane,
+    Gatekeeper,
+    NodeContext,
+    PipelineRequest,
+    Shapes,
+    ViewKeeper,
+    note_failures,
+    order_candidates,
+    periodically,
+    pipeline_node,
+    replicate_p2p,
+    stage_of,
+    transport_settings,
+    view_summary,
+    wait_for_stop,
+    write_status,
+)
+from sentinel_node.transport import (
+    Answer,
+    HopBanned,
+    HopError,
+    HopMalformed,
+    HopRefused,
+    Incoming,
+    MicrobatchReply,
+    TensorServer,
+    call_first_available,
+    check_tensors,
+)
+from sentinel_node.verification import Verdict
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class VerifierOptions:
+    boundaries: tuple[int, ...] = ()  # empty: every boundary of the config
+    verify: bool = True  # False: a plain relay (overhead measurements, undefended runs)
+    status_file: str | None = None
+
+
+@dataclass
+class CheckStats:
+    """What this verifier checked, per direction, and the CPU time it spent on it."""
+
+    checks: dict[str, int] = field(default_factory=lambda: {"activation": 0, "gradient": 0})
+    flags: dict[str, int] = field(default_factory=lambda: {"activation": 0, "gradient": 0})
+    skipped: int = 0
+    malformed: int = 0
+    relayed: int = 0
+    cpu_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        checked = sum(self.checks.values())
+        return {
+            "checks": dict(self.checks),
+            "flags": dict(self.flags),
+            "skipped": self.skipped,
+            "malformed": self.malformed,
+            "relayed": self.relayed,
+            "check_cpu_s": self.cpu_s,
+            "cpu_ms_per_check": 1000 * self.cpu_s / checked if checked else None,
+        }
+
+
+def run_verifier(
+    options: JoinOptions,
+    on_ready: Callable[[str, list[str]], None],
+    stop_event: threading.Event | None = None,
+    *,
+    settings: VerifierOptions = VerifierOptions(),
+) -> None:
+    """Serves until SIGTERM/SIGINT (or ``stop_event``); runs on a CPU."""
+    config = options.config
+    n_boundaries = config.pipeline.n_stages - 1
+    boundaries = tuple(sorted(set(settings.boundaries))) or tuple(range(n_boundaries))
+    outside = [b for b in boundaries if not 0 <= b < n_boundaries]
+    if outside:
+        raise NodeError(
+            f"--boundaries {outside} are outside 0..{n_boundaries - 1}: boundary b sits between stage b and b+1 "
+            f"of the config's {config.pipeline.n_stages} stages"
+        )
+    torch.set_num_threads(1)
+    shapes = Shapes.of(config)
+    checker = BoundaryVerifier(
+        config.verification, boundaries, shapes.hidden, shapes.activation, config.swarm.seed, enabled=settings.verify
+    )
+    with pipeline_node(options, stop_event) as context:
+        asyncio.run(VerifierNode(context, settings, boundaries, checker).serve(on_ready))
+
+
+def is_malformed(reason: str | None) -> bool:
+    """Whether a verdict's reason is about the tensor's form (shape, dtype, NaN) rather than its statistics."""
+    return reason is not None and not reason.startswith("metric:") and reason != "drift"
+
+
+class StrikePublisher:
+    """Publishes this verifier's latest verdict on each peer from a thread of its own (a DHT write can take
+    seconds); records waiting for the thread are coalesced, only the newest per peer is written."""
+
+    def __init__(self, store: RecordStore, ttl: float) -> None:
+        self.store, self.ttl = store, ttl
+        self._latest: dict[str, StrikeRecord] = {}
+        self._lock = threading.Lock()
+        self._wake: queue.Queue[None] = queue.Queue()
+        self._stopped = False
+        self.published = 0
+        self._thread = threading.Thread(target=self._run, name="strike-publisher", daemon=True)
+        self._thread.start()
+
+    def submit(self, record: StrikeRecord) -> None:
+        with self._lock:
+            self._latest[record.accused] = record
+        self._wake.put(None)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Writes what is pending (within ``timeout``), then stops."""
+        self._stopped = True
+        self._wake.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.get()
+            with self._lock:
+                pending, self._latest = self._latest, {}
+            for record in pending.values():
+                try:
+                    self.store.put(record, ttl=self.ttl)
+                    self.published += 1
+                except RecordError as e:
+                    logger.error(f"cannot publish a strike record on {record.accused}: {e}")
+                except Exception as e:  # a failing DHT must not end the thread; the next change retries
+                    logger.warning(f"publishing a strike record failed ({type(e).__name__}: {e})")
+            if self._stopped:
+                return
+
+
+class VerifierNode:
+    """The serving side of one verifier."""
+
+    def __init__(
+        self, context: NodeContext, settings: VerifierOptions, boundaries: Sequence[int], checker: BoundaryVerifier
+    ) -> None:
+        self.context, self.settings, self.checker = context, settings, checker
+        self.config: Config = context.config
+        self.boundaries = tuple(boundaries)
+        self.shapes = Shapes.of(self.config)
+        self.transport = transport_settings(self.config)
+        self.lane = ComputeLane("verifier")
+        self.views = ViewKeeper(context)
+        self.gate = Gatekeeper(self.views)
+        self.blacklist = LivenessBlacklist()
+        self.stats = CheckStats()
+        self.publisher = StrikePublisher(context.store, self.config.swarm.strike_ttl)
+        self._published: dict[str, tuple[int, int, bool]] = {}
+        self.p2p: P2P | None = None
+
+    async def serve(self, on_ready: Callable[[str, list[str]], None]) -> None:
+        context = self.context
+        self.p2p = await replicate_p2p(context)
+        server = TensorServer(self.p2p, self.transport)
+        # Tensors reach the handler unchecked (no expect, NaN allowed) so the verification core sees every
+        # malformed activation and strikes its sender; the handler checks the targets itself.
+        await server.add_handler(
+            VERIFIER_RELAY, self._relay, PipelineRequest, authorize=self._admit, require_finite=False
+        )
+        announcement = VerifierAnnouncement(
+            peer_id=context.peer_id,
+            maddrs=context.maddrs,
+            state="online",
+            relayed=False,
+            throughput=0.0,
+            boundaries=list(self.boundaries),
+            config_hash=self.config.swarm_hash(),
+            version=software_version(),
+            time=get_dht_time(),
+        )
+        announcer = Announcer(
+            context.store, announcement, self.config.swarm.announce_period, self.config.swarm.announce_ttl
+        ).start()
+        background = [
+            asyncio.create_task(self.views.run()),
+            asyncio.create_task(periodically(self.config.swarm.announce_period, self._write_status)),
+        ]
+        mode = "verifying" if self.checker.enabled else "relaying without checks"
+        names = ", ".join(f"{b}|{b + 1}" for b in self.boundaries)
+        logger.info(f"verifier {context.peer_id} {mode} on boundaries {names}")
+        on_ready(context.peer_id, context.maddrs)
+        try:
+            await wait_for_stop(context)
+        finally:
+            for task in background:
+                task.cancel()
+            await server.remove_handlers()
+            announcer.stop(offline=context.dht.is_alive())
+            self.publisher.stop()
+            self._write_status()
+            self.lane.close()
+            await self.p2p.shutdown()
+
+    def _write_status(self) -> None:
+        ledger = {
+            sender: {"strikes": r.strikes, "checks": r.checks, "flags": r.flags, "banned": r.banned}
+            for sender, r in self.checker.ledger.senders.items()
+        }
+        write_status(
+            self.settings.status_file,
+            {
+                "role": "verifier",
+                "peer_id": self.context.peer_id,
+                "boundaries": list(self.boundaries),
+                "verify": self.checker.enabled,
+                "ledger": ledger,
+                "banned": sorted(self.checker.ledger.banned()),
+                "published": self.publisher.published,
+                "time": time.time(),
+                **self.stats.as_dict(),
+                **view_summary(self.views.view),
+            },
+        )
+
+    # --- who may call
+
+    def _boundary_of(self, caller: str) -> int | None:
+        stage = stage_of(self.views.view, caller)
+        return stage if stage in self.boundaries else None
+
+    async def _admit(self, caller: str, metadata: PipelineRequest) -> None:
+        if self.checker.is_banned(caller):
+            record = self.checker.ledger.senders[caller]
+            raise HopBanned(f"this verifier banned {caller} after {record.strikes} strikes; it relays nothing for it")
+        names = ", ".join(map(str, self.boundaries))
+        await self.gate.require(
+            caller,
+            lambda view: self._boundary_of(caller) is not None,
+            f"this verifier relays activations only from live replicas of stages {names}",
+        )
+        if not metadata.route:
+            raise HopRefused("the route must name the next stage's replica after this verifier")
+
+    # --- the relay
+
+    async def _relay(self, incoming: Incoming[PipelineRequest]) -> Answer:
+        meta, caller = incoming.metadata, incoming.caller
+        boundary = self._boundary_of(caller)
+        if boundary is None:  # the caller went away from the view since it was admitted
+            raise HopRefused(f"{caller} is no longer a live replica of a stage this verifier serves")
+        if len(incoming.tensors) != 2:
+            raise HopMalformed(f"expected 2 tensors (activation, targets), got {len(incoming.tensors)}")
+        activation, targets = incoming.tensors
+        check_tensors([targets], [self.shapes.tokens])
+        if int(targets.min()) < 0 or int(targets.max()) >= self.shapes.vocab:
+            raise HopMalformed(f"targets must be token ids in [0, {self.shapes.vocab})")
+
+        verdict = await self._check(boundary, "activation", activation, caller, tainted=bool(meta.taint))
+        if is_malformed(verdict.reason):
+            self.stats.malformed += 1
+            struck = f"; a strike was recorded against {caller}" if verdict.flagged else ""
+            raise HopMalformed(f"activation at boundary {boundary}|{boundary + 1}: {verdict.reason}{struck}")
+        if verdict.tensor is None:  # flagged and dropped by policy: the microbatch ends here
+            return Answer([], MicrobatchReply(loss=None, taint=sorted({*meta.taint, boundary})))
+
+        hop, next_meta = meta.advance()
+        if verdict.flagged:
+            next_meta = next_meta.tainted(boundary)
+        candidates = order_candidates(hop, self.views.view, self.blacklist, skip=self.checker.is_banned)
+        if not candidates:
+            raise HopRefused(f"every stage {boundary + 1} replica the route names is banned or excluded")
+        try:
+            reply = await call_first_available(
+                self.p2p, candidates, STAGE_FORWARD, [verdict.tensor, targets], next_meta, settings=self.transport
+            )
+        except HopError as e:
+            note_failures(self.blacklist, e.failures or [e])
+            raise
+        note_failures(self.blacklist, reply.failures)
+        self.stats.relayed += 1
+        taint = sorted({*next_meta.taint, *reply.metadata.taint})
+        loss = reply.metadata.loss
+        if not meta.train or verdict.flagged or not reply.tensors:
+            # nothing to pass back: a validation pass, our own replacement (its gradient says nothing about the
+            # sender's computation), or a gradient dropped further on
+            return Answer([], MicrobatchReply(loss=loss, taint=taint))
+
+        # more than one tensor is not a gradient: the core flags a non-tensor as malformed
+        gradient = reply.tensors[0] if len(reply.tensors) == 1 else None
+        verdict = await self._check(boundary, "gradient", gradient, reply.peer, tainted=bool(taint))
+        if verdict.flagged:
+            taint = sorted({*taint, boundary})
+        if is_malformed(verdict.reason):
+            self.stats.malformed += 1
+            logger.warning(
+                f"malformed gradient from {reply.peer} at boundary {boundary}|{boundary + 1}: {verdict.reason}"
+            )
+            return Answer([], MicrobatchReply(loss=loss, taint=taint))
+        if verdict.tensor is None:
+            return Answer([], MicrobatchReply(loss=loss, taint=taint))
+        return Answer([verdict.tensor], MicrobatchReply(loss=loss, taint=taint))
+
+    async def _check(
+        self, boundary: int, direction: str, tensor: torch.Tensor | None, sender: str, tainted: bool
+    ) -> Verdict:
+        verdict, cpu_s = await self.lane.run(self._timed_check, boundary, direction, tensor, sender, tainted)
+        self.stats.cpu_s += cpu_s
+        if verdict.skipped:
+            self.stats.skipped += 1
+        else:
+            self.stats.checks[direction] += 1
+            self.stats.flags[direction] += int(verdict.flagged)
+        if verdict.flagged:
+            logger.info(
+                f"flagged {direction} from {sender} at boundary {boundary}|{boundary + 1}: {verdict.reason}"
+                + (f" (strikes {verdict.sender.strikes}, banned)" if verdict.banned else "")
+            )
+        if verdict.sender is not None:
+            self._maybe_publish(boundary, direction, sender, verdict)
+        return verdict
+
+    def _timed_check(
+        self, boundary: int, direction: str, tensor: torch.Tensor | None, sender: str, tainted: bool
+    ) -> tuple[Verdict, float]:
+        started = time.thread_time()
+        verdict = self.checker.check(boundary, direction, tensor, sender, tainted)
+        return verdict, time.thread_time() - started
+
+    def _maybe_publish(self, boundary: int, direction: str, sender: str, verdict: Verdict) -> None:
+        record = verdict.sender
+        state = (record.strikes, record.flags, record.banned)
+        if self._published.get(sender, (0, 0, False)) == state:
+            return
+        self._published[sender] = state
+        metrics = {name: float(value) for name, value in verdict.scores.items() if math.isfinite(value)}
+        self.publisher.submit(
+            StrikeRecord(
+                verifier=self.context.peer_id,
+                accused=sender,
+                boundary=boundary,
+                direction=direction,
+                strikes=record.strikes,
+                checks=record.checks,
+                flags=record.flags,
+                metrics=metrics,
+                banned=record.banned,
+                config_hash=self.config.swarm_hash(),
+                version=software_version(),
+                time=get_dht_time(),
+            )
+        )
+        if record.banned:
+            logger.warning(f"banned {sender} after {record.strikes} strikes; voting for its exclusion")
