@@ -8,6 +8,7 @@ step and a probability. Red teams bring their own with ``--attack-file PATH.py:N
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import random
@@ -68,7 +69,7 @@ def delay(tensor: torch.Tensor, step: int, state: dict, steps: int = 100) -> tor
 
 
 def bias(tensor: torch.Tensor, step: int, state: dict, offset: float = 1.0) -> torch.Tensor:
-    """Adds a constant offset of `offset` times the tensor's RMS, so it means the same for activations and gradients."""
+    """Adds a constant offset of `offset` times the tensor's RMS: the same meaning on activations and gradients."""
     return tensor + offset * tensor.float().square().mean().sqrt().to(tensor.dtype)
 
 
@@ -100,9 +101,12 @@ def mixed(tensor: torch.Tensor, step: int, state: dict, every: int = 5) -> torch
     return _BASIC[name](tensor, step, state.setdefault(f"state_{name}", {"seed": state.get("seed", 0)}))
 
 
-def adaptive(tensor: torch.Tensor, step: int, state: dict, margin: float = 0.9, settings=None) -> torch.Tensor:
+def adaptive(
+    tensor: torch.Tensor, step: int, state: dict, margin: float = 0.9, warmup: int = 20, settings=None
+) -> torch.Tensor:
     """An attacker who knows SENTINEL's metrics: it pushes the tensor towards its sign inversion as far as it can
-    while every metric stays under `margin` times the threshold it estimates from its own honest tensors.
+    while every metric stays under `margin` times the threshold it estimates from its own honest tensors (after
+    `warmup` of them: it sees only its own share of the traffic, so it cannot wait as long as a verifier).
     """
     from sentinel_node.verification import BoundaryMonitor
 
@@ -111,7 +115,8 @@ def adaptive(tensor: torch.Tensor, step: int, state: dict, margin: float = 0.9, 
             raise AttackError(
                 "the adaptive attack needs the swarm's verification settings (the simulator passes them)"
             )
-        state["monitor"] = BoundaryMonitor(settings, hidden_size=tensor.shape[-1], dtype=tensor.dtype)
+        own = dataclasses.replace(settings, warmup=min(warmup, settings.warmup))
+        state["monitor"] = BoundaryMonitor(own, hidden_size=tensor.shape[-1], dtype=tensor.dtype)
     monitor: BoundaryMonitor = state["monitor"]
     reference = monitor.baseline.reference
     if monitor.warming_up or reference is None:

@@ -75,6 +75,18 @@ DEFAULT_FLOORS = {
 }
 
 
+# heavy-tailed distances get a fence in log space; shares in [0, 1] whose honest median is ~0 get a linear one
+DEFAULT_FENCE_SPACES = {
+    "l1": "relative_log",
+    "l2": "relative_log",
+    "norm": "relative_log",
+    "scale": "relative_log",
+    "sign_flip": "linear",
+    "wasserstein": "relative_log",
+    "spectral": "linear",
+}
+
+
 class VerificationConfig(_Strict):
     """SENTINEL's knobs (DESIGN.md section 3); defaults are the paper's where it gives one."""
 
@@ -84,29 +96,39 @@ class VerificationConfig(_Strict):
     n_quantiles: int = Field(33, ge=3, description="quantile levels per projection")
     spectral_rank: int = Field(4, ge=1, description="singular values counted as the tensor's dominant energy")
     window: int = Field(128, ge=8, description="accepted scores kept per metric for the adaptive threshold")
-    fence_k: float = Field(3.0, gt=0, description="threshold = Q3 + k * IQR")
-    fence_space: Literal["relative_log", "linear"] = Field(
-        "relative_log", description="fence on log(1 + score / median) (scores are skewed, docs/decisions.md) or raw"
+    fence_k: float = Field(5.0, gt=0, description="threshold = Q3 + k * IQR")
+    fence_spaces: dict[str, Literal["relative_log", "linear"]] = Field(
+        default_factory=lambda: dict(DEFAULT_FENCE_SPACES),
+        description="per metric: fence on log(1 + score / median) for heavy-tailed distances, raw for bounded ones",
     )
     floors: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_FLOORS),
         description="smallest threshold per metric, so a flat window cannot flag noise",
     )
     row_clip: float = Field(4.0, gt=1, description="rows (tokens) are clipped to this many times the median row norm")
-    warmup: int = Field(50, ge=1, description="accepted tensors per boundary before anything can be flagged")
+    warmup: int = Field(150, ge=1, description="accepted tensors per boundary before anything can be flagged")
     strike_limit: int = Field(3, ge=1, description="S: strikes at which a sender is banned")
     forgive_after: int = Field(100, ge=1, description="F: clean checks that forgive one strike")
     drift_window: int = Field(32, ge=0, description="checks per sender in the persistent-drift test (0 disables it)")
     drift_limit: float = Field(
         0.5, gt=0, description="mean log-excess over the median that a sender may sustain over the drift window"
     )
-    replacement: Literal["ema", "zero", "drop"] = "ema"
+    replacement: Literal["ema", "zero", "drop"] = Field(
+        "drop", description="what replaces a flagged activation (downstream replicas trained on EMA noise drift)"
+    )
+    gradient_replacement: Literal["ema", "zero", "drop"] = Field(
+        "drop", description="what replaces a flagged gradient (noise fed to Adam moves weights as far as a real one)"
+    )
 
     def monitor_settings(self, direction: Literal["activation", "gradient"], seed: int):
         """Plain settings for one boundary monitor (the verification core does not import pydantic)."""
         from sentinel_node.verification import MonitorSettings
 
-        values = self.model_dump(exclude={"beta_act", "beta_grad", "floors"})
+        values = self.model_dump(
+            exclude={"beta_act", "beta_grad", "floors", "fence_spaces", "replacement", "gradient_replacement"}
+        )
+        values["fence_spaces"] = {**DEFAULT_FENCE_SPACES, **self.fence_spaces}
+        values["replacement"] = self.replacement if direction == "activation" else self.gradient_replacement
         values["floors"] = {**DEFAULT_FLOORS, **self.floors}
         beta = self.beta_act if direction == "activation" else self.beta_grad
         return MonitorSettings(beta=beta, seed=seed, **values)

@@ -29,12 +29,12 @@ TARGETS = ("activation", "gradient")
 PROFILES: dict[str, dict[str, dict]] = {
     "quick": {
         "model": {"hidden_size": 64, "intermediate_size": 172},
-        "sim": {"steps": 80, "attack_start": 30, "replicas": 4, "eval_every": 10},
+        "sim": {"steps": 100, "attack_start": 50, "replicas": 4, "eval_every": 10},
     },
     "full": {
         "model": {"hidden_size": 128, "intermediate_size": 344},
         "pipeline": {"n_stages": 4},
-        "sim": {"steps": 300, "attack_start": 100, "replicas": 8, "eval_every": 20},
+        "sim": {"steps": 400, "attack_start": 150, "replicas": 8, "eval_every": 20},
     },
 }
 

@@ -56,8 +56,13 @@ def sliced_wasserstein(profile: Profile, reference: Profile) -> float:
 
 
 def spectral_shift(profile: Profile, reference: Profile) -> float:
-    """Relative change of the share of energy in the top singular values: noise and random signs flatten spectra."""
-    return float((profile.spectral_share - reference.spectral_share).abs() / (reference.spectral_share + _EPS))
+    """Relative loss of the share of energy in the top singular values: noise and random signs flatten spectra.
+
+    One-sided: honest tensors often concentrate more (a few tokens dominate), attacks that destroy structure
+    never do.
+    """
+    drop = (reference.spectral_share - profile.spectral_share).clamp_min(0)
+    return float(drop / (reference.spectral_share + _EPS))
 
 
 def norm_shift(profile: Profile, reference: Profile) -> float:

@@ -26,7 +26,7 @@ class MonitorSettings:
     spectral_rank: int
     window: int
     fence_k: float
-    fence_space: str
+    fence_spaces: dict[str, str]
     floors: dict[str, float]
     row_clip: float
     warmup: int
@@ -89,7 +89,9 @@ class BoundaryMonitor:
         )
         self.baseline = EmaBaseline(settings.beta)
         self.thresholds = {
-            name: AdaptiveThreshold(settings.window, settings.fence_k, settings.floors[name], settings.fence_space)
+            name: AdaptiveThreshold(
+                settings.window, settings.fence_k, settings.floors[name], settings.fence_spaces[name]
+            )
             for name in METRICS
         }
         self.drift = DriftTest(settings.drift_window, settings.drift_limit)

@@ -1,0 +1,499 @@
+"""The trainer role: cuts the corpus into microbatches, sends each along a route, and paces global steps.
+
+A global step is ``pipeline.microbatches_per_step`` microbatches, up to ``inflight`` of them in flight at once.
+Each is one nested call (see :mod:`sentinel_node.roles.stage`) on a route picked from the live DHT announcements
+(:func:`peers.choose_route`: a replica per stage, a verifier per boundary, never an excluded peer, weighted by
+announced throughput); each hop carries alternates, so the peer that calls a hop retries once on another
+candidate when the first fails before answering. A microbatch whose call still fails comes back here and is
+retried on a new route that avoids the peers that failed it, up to ``max_attempts`` times.
+
+Step pacing: when every microbatch of step s has come back (its backward pass is complete on every stage of its
+route), the trainer calls ``sentinel.stage.step(s)`` on every live stage replica, which applies the mean of the
+gradients it accumulated; only then do step s+1's microbatches leave. The step also travels in every
+microbatch's metadata, so a replica that missed a step call applies it before serving the next step.
+
+Accounting: every training microbatch is sent once and settles exactly once as succeeded (a loss came back),
+dropped (a verifier dropped it by policy) or failed (no attempt got through); retries are counted apart.
+:class:`Accounting` refuses to settle a microbatch twice.
+
+Validation: every ``eval_every`` steps, fixed validation batches go through the swarm as forward-only
+microbatches (``train=False``), so the loss is that of the model the swarm actually holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import threading
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time, get_logger
+
+from dht import Announcer, TrainerAnnouncement
+from peers import LivenessBlacklist, NoRouteError, Route, SwarmView, choose_route
+from sentinel_node.model.corpus import Corpus, load_corpus, sample_batch, validation_batches
+from sentinel_node.roles.common import JoinOptions, NodeError, software_version
+from sentinel_node.roles.runtime import (
+    STAGE_FORWARD,
+    STAGE_STEP,
+    NodeContext,
+    PipelineRequest,
+    Shapes,
+    StepReply,
+    StepRequest,
+    ViewKeeper,
+    note_failures,
+    pipeline_node,
+    replicate_p2p,
+    transport_settings,
+    view_summary,
+    wait_for_stop,
+    write_status,
+)
+from sentinel_node.transport import Hop, HopError, call_first_available, call_peer
+
+logger = get_logger(__name__)
+
+STEP_CALL_TIMEOUT_S = 10.0
+MAX_ALTERNATES = 2
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    steps: int = 0  # 0: train until stopped
+    inflight: int = 0  # microbatches in flight at once; 0: a whole step's
+    eval_every: int = 10
+    eval_batches: int = 4
+    microbatch_timeout: float = 30.0
+    max_attempts: int = 4
+    wait_for_swarm: float = 120.0
+    seed: int | None = None  # of the data stream and routing; None: the swarm's seed
+    metrics_out: str | None = None  # JSON lines: one per step, then a summary
+    status_file: str | None = None
+    progress: bool = False
+
+
+class AccountingError(RuntimeError):
+    """A microbatch was started or settled twice: a bug, never a network condition."""
+
+
+@dataclass
+class Accounting:
+    """Where every training microbatch went."""
+
+    sent: int = 0
+    succeeded: int = 0
+    dropped: int = 0
+    failed: int = 0
+    retried: int = 0
+    outcomes: dict[str, str] = field(default_factory=dict, repr=False)
+    _open: set[str] = field(default_factory=set, repr=False)
+
+    def start(self, microbatch: str) -> None:
+        if microbatch in self._open or microbatch in self.outcomes:
+            raise AccountingError(f"microbatch {microbatch} was already sent")
+        self._open.add(microbatch)
+        self.sent += 1
+
+    def settle(self, microbatch: str, outcome: str) -> None:
+        if microbatch not in self._open:
+            raise AccountingError(f"microbatch {microbatch} settled twice or never sent")
+        if outcome not in ("succeeded", "dropped", "failed"):
+            raise ValueError(f"unknown outcome {outcome!r}")
+        self._open.discard(microbatch)
+        self.outcomes[microbatch] = outcome
+        setattr(self, outcome, getattr(self, outcome) + 1)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._open)
+
+    @property
+    def consistent(self) -> bool:
+        """Every microbatch sent has settled exactly once."""
+        settled = self.succeeded + self.dropped + self.failed
+        return not self._open and settled == self.sent == len(self.outcomes)
+
+    def as_dict(self) -> dict:
+        return {
+            "sent": self.sent,
+            "succeeded": self.succeeded,
+            "dropped": self.dropped,
+            "failed": self.failed,
+            "retried": self.retried,
+            "in_flight": self.in_flight,
+            "consistent": self.consistent,
+        }
+
+
+@dataclass
+class StepLog:
+    step: int
+    loss: float | None
+    val_loss: float | None
+    tokens_per_s: float
+    microbatches: int
+    flags: int
+    strikes: int
+    excluded: list[str]
+    accounting: dict
+    wall_s: float
+
+
+@dataclass
+class TrainerSummary:
+    steps: int
+    first_loss: float | None
+    last_loss: float | None
+    val_curve: list[tuple[int, float]]
+    tokens_per_s: float
+    accounting: dict
+    excluded: list[str]
+    wall_s: float
+
+    @property
+    def first_val_loss(self) -> float | None:
+        return self.val_curve[0][1] if self.val_curve else None
+
+    @property
+    def last_val_loss(self) -> float | None:
+        return self.val_curve[-1][1] if self.val_curve else None
+
+
+def run_trainer(
+    options: JoinOptions,
+    on_ready: Callable[[str, list[str]], None],
+    stop_event: threading.Event | None = None,
+    *,
+    settings: TrainerOptions = TrainerOptions(),
+    on_step: Callable[[StepLog], None] | None = None,
+) -> TrainerSummary:
+    """Trains until ``settings.steps`` global steps are done (0: until SIGTERM/SIGINT or ``stop_event``)."""
+    config = options.config
+    torch.set_num_threads(1)
+    try:
+        corpus = load_corpus(config.data.path, config.data.val_fraction, config.data.max_bytes)
+    except (OSError, ValueError) as e:
+        raise NodeError(f"cannot read the training data: {e}") from None
+    with pipeline_node(options, stop_event) as context:
+        return asyncio.run(TrainerNode(context, settings, corpus, on_step).run(on_ready))
+
+
+class TrainerNode:
+    def __init__(
+        self,
+        context: NodeContext,
+        settings: TrainerOptions,
+        corpus: Corpus,
+        on_step: Callable[[StepLog], None] | None,
+    ) -> None:
+        self.context, self.settings, self.corpus, self.on_step = context, settings, corpus, on_step
+        self.config = context.config
+        pipe = self.config.pipeline
+        self.shapes = Shapes.of(self.config)
+        self.transport = transport_settings(self.config)
+        self.views = ViewKeeper(context)
+        self.blacklist = LivenessBlacklist()
+        seed = self.config.swarm.seed if settings.seed is None else settings.seed
+        self.data_rng = np.random.default_rng([seed, 0xDA7A])
+        self.route_rng = random.Random(seed + 1)
+        self.val_batches = validation_batches(corpus, settings.eval_batches, pipe.microbatch_size, pipe.seq_len, seed)
+        self.accounting = Accounting()
+        self.inflight = asyncio.Semaphore(settings.inflight or pipe.microbatches_per_step)
+        self.losses: list[float] = []
+        self.val_curve: list[tuple[int, float]] = []
+        self.tokens = 0
+        self.train_s = 0.0
+        self.step = 0
+        self.p2p: P2P | None = None
+        self.announcer: Announcer | None = None
+        self._started = time.monotonic()
+
+    async def run(self, on_ready: Callable[[str, list[str]], None]) -> TrainerSummary:
+        context = self.context
+        self.p2p = await replicate_p2p(context)
+        self.announcer = Announcer(
+            context.store,
+            TrainerAnnouncement(
+                peer_id=context.peer_id,
+                maddrs=context.maddrs,
+                state="online",
+                relayed=False,
+                throughput=0.0,
+                global_step=0,
+                loss=None,
+                config_hash=self.config.swarm_hash(),
+                version=software_version(),
+                time=get_dht_time(),
+            ),
+            self.config.swarm.announce_period,
+            self.config.swarm.announce_ttl,
+        ).start()
+        refreshing = asyncio.create_task(self.views.run())
+        on_ready(context.peer_id, context.maddrs)
+        training = asyncio.create_task(self._train())
+        stopping = asyncio.create_task(wait_for_stop(context))
+        try:
+            await asyncio.wait({training, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not training.done():
+                logger.info("asked to stop: abandoning the microbatches in flight")
+                training.cancel()
+                with suppress(asyncio.CancelledError):
+                    await training
+            else:
+                training.result()
+            if stopping.done():
+                stopping.result()  # a dead DHT surfaces here
+        finally:
+            stopping.cancel()
+            refreshing.cancel()
+            summary = self.summary()
+            self._emit({"event": "summary", **asdict(summary)})
+            self._write_status()
+            self.announcer.stop(offline=context.dht.is_alive())
+            await self.p2p.shutdown()
+        return summary
+
+    def summary(self) -> TrainerSummary:
+        return TrainerSummary(
+            steps=self.step,
+            first_loss=self.losses[0] if self.losses else None,
+            last_loss=self.losses[-1] if self.losses else None,
+            val_curve=list(self.val_curve),
+            tokens_per_s=self.tokens / self.train_s if self.train_s else 0.0,
+            accounting=self.accounting.as_dict(),
+            excluded=sorted(self.views.view.excluded),
+            wall_s=time.monotonic() - self._started,
+        )
+
+    # --- the training loop
+
+    async def _train(self) -> None:
+        await self._wait_for_swarm()
+        await self._validate(0)
+        progress = self._progress_bar()
+        try:
+            for step in itertools.count():
+                if self.settings.steps and step >= self.settings.steps:
+                    break
+                log = await self._global_step(step)
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix(loss=f"{log.loss:.3f}" if log.loss else "-", tok_s=f"{log.tokens_per_s:.0f}")
+        finally:
+            if progress is not None:
+                progress.close()
+
+    async def _global_step(self, step: int) -> StepLog:
+        pipe = self.config.pipeline
+        started = time.perf_counter()
+        batches = [
+            sample_batch(self.corpus.train, pipe.microbatch_size, pipe.seq_len, self.data_rng)
+            for _ in range(pipe.microbatches_per_step)
+        ]
+        results = await asyncio.gather(
+            *(self._microbatch(step, f"{step}.{i}", x, y, train=True) for i, (x, y) in enumerate(batches))
+        )
+        losses = [loss for loss in results if loss is not None]
+        await self._step_all(step)
+        elapsed = time.perf_counter() - started
+        self.step = step + 1
+        tokens = len(losses) * self.shapes.tokens_per_microbatch
+        self.tokens += tokens
+        self.train_s += elapsed
+        loss = float(np.mean(losses)) if losses else None
+        if loss is not None:
+            self.losses.append(loss)
+        val_loss = None
+        every = self.settings.eval_every
+        if (every and self.step % every == 0) or self.step == self.settings.steps:
+            val_loss = await self._validate(self.step)
+        self.announcer.update(global_step=self.step, loss=loss, throughput=tokens / elapsed)
+        view = self.views.view
+        log = StepLog(
+            step=step,
+            loss=loss,
+            val_loss=val_loss,
+            tokens_per_s=tokens / elapsed,
+            microbatches=len(losses),
+            flags=sum(record.flags for record in view.ledger),
+            strikes=sum(record.strikes for record in view.ledger),
+            excluded=sorted(view.excluded),
+            accounting=self.accounting.as_dict(),
+            wall_s=time.monotonic() - self._started,
+        )
+        logger.info(
+            f"step {step}: loss {loss if loss is None else round(loss, 4)}, {log.tokens_per_s:.0f} tokens/s, "
+            f"{log.flags} flags, {log.strikes} strikes, {len(log.excluded)} excluded"
+            + ("" if val_loss is None else f", validation loss {val_loss:.4f}")
+        )
+        self._emit({"event": "step", **asdict(log)})
+        self._write_status()
+        if self.on_step is not None:
+            self.on_step(log)
+        return log
+
+    async def _microbatch(
+        self, step: int, name: str, inputs: torch.Tensor, targets: torch.Tensor, train: bool
+    ) -> float | None:
+        """The loss of one microbatch, retried on new routes; None if it was dropped or failed."""
+        if train:
+            self.accounting.start(name)
+        outcome, loss = "failed", None
+        avoid: set[str] = set()
+        try:
+            async with self.inflight:
+                for attempt in range(self.settings.max_attempts):
+                    if attempt and train:
+                        self.accounting.retried += 1
+                    hops = await self._route(avoid)
+                    if hops is None:
+                        continue
+                    meta = PipelineRequest(
+                        deadline=time.time() + self.settings.microbatch_timeout,
+                        microbatch_id=f"{name}.{attempt}",
+                        step=step,
+                        kind="forward",
+                        route=hops[1:],
+                        train=train,
+                    )
+                    candidates = [hops[0].peer_id, *hops[0].alternates]
+                    try:
+                        reply = await call_first_available(
+                            self.p2p, candidates, STAGE_FORWARD, [inputs, targets], meta, settings=self.transport
+                        )
+                    except HopError as e:
+                        failures = e.failures or [e]
+                        note_failures(self.blacklist, failures)
+                        avoid.update(f.culprit for f in failures if f.culprit)
+                        logger.info(f"microbatch {name}: attempt {attempt + 1} failed: {e}")
+                        continue
+                    note_failures(self.blacklist, reply.failures)
+                    loss = reply.metadata.loss
+                    outcome = "succeeded" if loss is not None else "dropped"
+                    break
+        finally:
+            if train:
+                self.accounting.settle(name, outcome)
+        if outcome == "failed":
+            logger.warning(f"microbatch {name} failed after {self.settings.max_attempts} attempts")
+        return loss
+
+    async def _route(self, avoid: set[str]) -> list[Hop] | None:
+        """The hops of a new route avoiding ``avoid`` if possible; None (after a pause) if the swarm has none."""
+        view = self.views.view
+        try:
+            try:
+                route = choose_route(view, self.route_rng, self.blacklist, avoid)
+            except NoRouteError:
+                # better a peer that failed this microbatch once than none at all
+                route = choose_route(view, self.route_rng, None, ())
+        except NoRouteError as e:
+            logger.warning(f"no route through the swarm: {e}; waiting for peers")
+            await asyncio.sleep(1.0)
+            await self.views.refresh(force=True)
+            return None
+        return self._hops(route, view, avoid)
+
+    def _hops(self, route: Route, view: SwarmView, avoid: set[str]) -> list[Hop]:
+        def alternates(candidates: list, chosen: str) -> list[str]:
+            others = [c.peer_id for c in candidates if c.peer_id != chosen and c.peer_id not in avoid]
+            fresh = [p for p in others if p not in self.blacklist]
+            return self.route_rng.sample(fresh, min(MAX_ALTERNATES, len(fresh)))
+
+        hops = []
+        for k, stage in enumerate(route.stages):
+            hops.append(Hop(peer_id=stage.peer_id, alternates=alternates(view.live_replicas(k), stage.peer_id)))
+            if k < len(route.verifiers):
+                verifier = route.verifiers[k].peer_id
+                hops.append(Hop(peer_id=verifier, boundary=k, alternates=alternates(view.live_verifiers(k), verifier)))
+        return hops
+
+    async def _step_all(self, step: int) -> None:
+        """Tells every live stage replica that global step ``step`` is complete."""
+        view = self.views.view
+        replicas = [a.peer_id for k in range(view.n_stages) for a in view.live_replicas(k)]
+        meta = StepRequest(deadline=time.time() + STEP_CALL_TIMEOUT_S, step=step)
+        results = await asyncio.gather(
+            *(
+                call_peer(self.p2p, peer, STAGE_STEP, [], meta, settings=self.transport, reply_model=StepReply)
+                for peer in replicas
+            ),
+            return_exceptions=True,
+        )
+        for peer, result in zip(replicas, results, strict=True):
+            if isinstance(result, BaseException):
+                # it applies the step when the next microbatch reaches it, if it is alive
+                logger.info(f"step call to {peer} failed: {result}")
+
+    async def _validate(self, step: int) -> float | None:
+        results = await asyncio.gather(
+            *(self._microbatch(step, f"val{step}.{i}", x, y, train=False) for i, (x, y) in enumerate(self.val_batches))
+        )
+        losses = [loss for loss in results if loss is not None]
+        if not losses:
+            logger.warning(f"validation at step {step}: no batch got through")
+            return None
+        val_loss = float(np.mean(losses))
+        self.val_curve.append((step, val_loss))
+        logger.info(f"validation loss at step {step}: {val_loss:.4f} ({len(losses)}/{len(results)} batches)")
+        if step == 0:
+            self._emit({"event": "validation", "step": 0, "val_loss": val_loss})
+        return val_loss
+
+    async def _wait_for_swarm(self) -> None:
+        deadline = time.monotonic() + self.settings.wait_for_swarm
+        while True:
+            view = await self.views.refresh(force=True)
+            health = view.health()
+            if health.ok:
+                return
+            if time.monotonic() > deadline:
+                raise NodeError(
+                    f"the swarm is not ready after {self.settings.wait_for_swarm:.0f}s ({health.summary()}); "
+                    "start the missing stages and verifiers with the same --config and --initial-peers"
+                )
+            logger.info(f"waiting for the swarm: {health.summary()}")
+            await asyncio.sleep(1.0)
+
+    # --- output
+
+    def _progress_bar(self):
+        if not self.settings.progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.settings.steps or None, desc="training", unit="step", dynamic_ncols=True)
+
+    def _emit(self, record: dict) -> None:
+        """Appends ``record`` as one JSON line to the metrics file (whole lines, so a reader can tail it)."""
+        if self.settings.metrics_out is None:
+            return
+        try:
+            with Path(self.settings.metrics_out).open("a") as out:
+                out.write(json.dumps(record, default=str) + "\n")
+        except OSError as e:
+            logger.warning(f"cannot write metrics to {self.settings.metrics_out}: {e}")
+
+    def _write_status(self) -> None:
+        write_status(
+            self.settings.status_file,
+            {
+                "role": "trainer",
+                "peer_id": self.context.peer_id,
+                "step": self.step,
+                "accounting": self.accounting.as_dict(),
+                "val_curve": self.val_curve,
+                "time": time.time(),
+                **view_summary(self.views.view),
+            },
+        )
