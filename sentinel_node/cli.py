@@ -26,6 +26,9 @@ def main() -> None:
 # Modules are imported only when their role runs: importing hivemind takes seconds and --help must stay fast.
 ROLE_RUNNERS = {
     "bootstrap": ("sentinel_node.roles.bootstrap", "run_bootstrap"),
+    "stage": ("sentinel_node.roles.stage", "run_stage"),
+    "verifier": ("sentinel_node.roles.verifier", "run_verifier"),
+    "trainer": ("sentinel_node.roles.trainer", "run_trainer"),
 }
 
 
@@ -55,6 +58,110 @@ def _print_ready(peer_id: str, maddrs: list[str]) -> None:
         click.echo(f"  --initial-peers {maddr}")
 
 
+def _pipeline_options(command):
+    """Options of the stage, verifier and trainer roles (ignored by the others)."""
+    options = [
+        click.option("--stage", type=click.IntRange(min=0), help="stage: which stage of the model to hold (0-based)."),
+        click.option("--device", default="cpu", show_default=True, help="stage: torch device, e.g. cuda:0."),
+        click.option("--attack", help="stage, red team: corrupt what it sends with this attack from the catalogue."),
+        click.option("--attack-file", help="stage, red team: an attack of your own, PATH.py:NAME."),
+        click.option(
+            "--attack-target",
+            type=click.Choice(["activation", "gradient", "both"]),
+            default="both",
+            show_default=True,
+            help="stage, red team: which tensors it corrupts.",
+        ),
+        click.option(
+            "--attack-start", type=click.IntRange(min=0), default=0, show_default=True, help="global step to start at."
+        ),
+        click.option(
+            "--attack-probability",
+            type=click.FloatRange(0, 1, min_open=True),
+            default=1.0,
+            show_default=True,
+            help="share of tensors it corrupts.",
+        ),
+        click.option(
+            "--boundaries",
+            multiple=True,
+            help="verifier: boundaries to serve (b sits between stage b and b+1), e.g. 0,1; default: all.",
+        ),
+        click.option("--no-verify", is_flag=True, help="verifier: relay without checking (overhead measurements)."),
+        click.option(
+            "--steps", type=click.IntRange(min=0), default=0, show_default=True, help="trainer: steps (0: no end)."
+        ),
+        click.option(
+            "--inflight", type=click.IntRange(min=0), default=0, help="trainer: microbatches in flight (0: a step's)."
+        ),
+        click.option(
+            "--eval-every", type=click.IntRange(min=0), default=10, show_default=True, help="trainer: validate every."
+        ),
+        click.option(
+            "--eval-batches", type=click.IntRange(min=1), default=4, show_default=True, help="trainer: batches."
+        ),
+        click.option(
+            "--microbatch-timeout",
+            type=click.FloatRange(min=1),
+            default=30.0,
+            show_default=True,
+            help="trainer: seconds a microbatch may take along its whole route.",
+        ),
+        click.option("--metrics-out", type=click.Path(dir_okay=False), help="trainer: append JSON lines per step."),
+        click.option("--progress/--no-progress", default=None, help="trainer: progress bar (default: on a terminal)."),
+        click.option("--status-file", type=click.Path(dir_okay=False), help="Keep this node's view in a JSON file."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _role_settings(role: str, opts: dict) -> dict:
+    """The keyword arguments a pipeline role's runner takes, from the join options."""
+    import sys
+
+    if role == "stage":
+        from sentinel_node.roles.stage import AttackOptions, StageOptions
+
+        if opts["stage"] is None:
+            raise click.UsageError("--role stage needs --stage K: which stage of the model this node holds")
+        attack = None
+        if opts["attack"] or opts["attack_file"]:
+            attack = AttackOptions(
+                name=opts["attack"],
+                file=opts["attack_file"],
+                target=opts["attack_target"],
+                start=opts["attack_start"],
+                probability=opts["attack_probability"],
+            )
+        settings = StageOptions(opts["stage"], attack, opts["device"], opts["status_file"])
+        return {"settings": settings}
+    if role == "verifier":
+        from sentinel_node.roles.verifier import VerifierOptions
+
+        try:
+            boundaries = tuple(int(b) for value in opts["boundaries"] for b in value.replace(",", " ").split())
+        except ValueError:
+            raise click.BadParameter("integers, e.g. --boundaries 0,1", param_hint="--boundaries") from None
+        return {"settings": VerifierOptions(boundaries, not opts["no_verify"], opts["status_file"])}
+    if role == "trainer":
+        from sentinel_node.roles.trainer import TrainerOptions
+
+        progress = sys.stderr.isatty() if opts["progress"] is None else opts["progress"]
+        settings = TrainerOptions(
+            steps=opts["steps"],
+            inflight=opts["inflight"],
+            eval_every=opts["eval_every"],
+            eval_batches=opts["eval_batches"],
+            microbatch_timeout=opts["microbatch_timeout"],
+            metrics_out=opts["metrics_out"],
+            status_file=opts["status_file"],
+            progress=progress,
+        )
+        return {"settings": settings}
+    return {}
+
+
 @main.command()
 @click.option("--role", type=click.Choice(sorted(ROLE_RUNNERS)), required=True, help="What this node does.")
 @_config_option
@@ -74,6 +181,7 @@ def _print_ready(peer_id: str, maddrs: list[str]) -> None:
     help="Multiaddrs to listen on, e.g. /ip4/0.0.0.0/tcp/31337 for a fixed port.",
 )
 @click.option("--announce-maddrs", multiple=True, help="Public multiaddrs to tell others (behind NAT or Docker).")
+@_pipeline_options
 def join(
     role: str,
     config_path: str | None,
@@ -81,11 +189,13 @@ def join(
     initial_peers: tuple[str, ...],
     host_maddrs: tuple[str, ...],
     announce_maddrs: tuple[str, ...],
+    **role_options,
 ) -> None:
-    """Run a node of the swarm in ROLE until SIGTERM or Ctrl-C."""
+    """Run a node of the swarm in ROLE until SIGTERM or Ctrl-C (a trainer with --steps ends after them)."""
     import importlib
 
     from dht import IdentityError
+    from sentinel_node.attacks import AttackError
     from sentinel_node.roles.common import JoinOptions, NodeError
 
     options = JoinOptions(
@@ -95,12 +205,57 @@ def join(
         host_maddrs=_maddrs(host_maddrs, "--host-maddrs"),
         announce_maddrs=_maddrs(announce_maddrs, "--announce-maddrs"),
     )
+    extra = _role_settings(role, role_options)
     module, function = ROLE_RUNNERS[role]
     runner = getattr(importlib.import_module(module), function)
     try:
-        runner(options, on_ready=_print_ready)
-    except (NodeError, IdentityError) as e:
+        result = runner(options, on_ready=_print_ready, **extra)
+    except (NodeError, IdentityError, AttackError) as e:
         raise click.ClickException(str(e)) from None
+    if role == "trainer" and result is not None:
+        first, last = result.first_val_loss, result.last_val_loss
+        val = "no validation" if first is None or last is None else f"validation loss {first:.4f} -> {last:.4f}"
+        click.echo(f"trained {result.steps} steps in {result.wall_s:.0f}s: {val}; microbatches {result.accounting}")
+
+
+# --- demo: a whole swarm on this machine -----------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--steps", type=click.IntRange(min=1), default=40, show_default=True, help="Global steps to train.")
+@click.option(
+    "--attack", default="random", show_default=True, help="The attacker's attack (from the catalogue); 'none': none."
+)
+@click.option(
+    "--attack-start", type=click.IntRange(min=0), default=14, show_default=True, help="Step the attacker starts at."
+)
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Default: configs/demo.yaml.")
+@click.option("--workdir", type=click.Path(file_okay=False), help="Keep logs and status files here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the summary, as one JSON object.")
+def demo(steps: int, attack: str, attack_start: int, config_path: str | None, workdir: str | None, as_json: bool):
+    """Train the tiny model with a local swarm (bootstrap, 3 stages x 2 replicas, 2 verifiers, a trainer) in
+    which one replica of the middle stage attacks; show it struck and excluded while the loss keeps falling."""
+    import json
+    from pathlib import Path
+
+    from sentinel_node.demo import DEMO_CONFIG_PATH, DemoSettings, SwarmStartError, render_summary, run_demo
+
+    _load(config_path)  # a bad --config fails here, before any process starts
+    settings = DemoSettings(
+        steps=steps,
+        attack=None if attack == "none" else attack,
+        attack_start=attack_start,
+        config_path=Path(config_path) if config_path else DEMO_CONFIG_PATH,
+        workdir=Path(workdir) if workdir else None,
+    )
+    try:
+        result = run_demo(settings, echo=(lambda _: None) if as_json else click.echo)
+    except SwarmStartError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(result.summary))
+    else:
+        click.echo(render_summary(result.summary))
 
 
 @main.group()

@@ -1,0 +1,530 @@
+"""``sentinel-node demo``: a whole swarm on this machine, on loopback, with one attacker.
+
+:class:`LocalSwarm` starts ``sentinel-node join`` processes, each in its own process group, reads the lines they
+print when ready, and stops every one of them (SIGTERM, then SIGKILL of its group after a grace period; never by
+name). :class:`Demo` builds the demo's swarm on it: a bootstrap, 3 stages x 2 replicas of which one replica of
+the middle stage is a red-team attacker (so an honest replica remains on every stage), 2 verifiers serving every
+boundary, and a trainer; it shows a live view of training and ends with a summary.
+
+Exclusion quorum: the demo creates the verifiers' identity files first and lists their peer ids as the swarm's
+``trusted_verifiers`` with ``ban_quorum`` 1, so one trusted verifier's ban excludes a peer swarm-wide (an open
+verifier set would need a quorum of at least 2, i.e. both verifiers would each have to see the attacker strike
+out). Both verifiers still serve every boundary, so losing one does not stop the pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from sentinel_node.config import Config, load_config
+
+DEMO_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+CLI = [sys.executable, "-c", "from sentinel_node.cli import main; main()"]
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+class SwarmStartError(RuntimeError):
+    """A node of the local swarm did not start; the message quotes the end of its log."""
+
+
+@dataclass
+class NodeProcess:
+    """One ``sentinel-node join`` process of a local swarm."""
+
+    name: str
+    role: str
+    process: subprocess.Popen
+    log_path: Path
+    status_path: Path
+    identity_path: Path
+    peer_id: str | None = None
+    maddrs: list[str] = field(default_factory=list)
+    lines: queue.Queue = field(default_factory=queue.Queue, repr=False)
+    output: list[str] = field(default_factory=list, repr=False)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def status(self) -> dict | None:
+        """The node's last status file (its view of the swarm), or None before it wrote one."""
+        try:
+            return json.loads(self.status_path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float) -> None:
+        """Waits for the lines ``sentinel-node join`` prints once the node serves; SwarmStartError if it dies or
+        takes longer than ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.maddrs:
+                    return  # the address lines come in one burst
+                if not self.alive:
+                    break
+                continue
+            if line.startswith("node ") and " is up" in line:
+                self.peer_id = line.split()[1]
+            elif line.strip().startswith("--initial-peers"):
+                self.maddrs.append(line.split()[-1])
+        state = f"exited with code {self.process.poll()}" if not self.alive else f"was not ready in {timeout:.0f}s"
+        raise SwarmStartError(f"{self.name} ({self.role}) {state}; its log ends with:\n{self.log_tail()}")
+
+    def _pump(self) -> None:
+        for line in self.process.stdout:
+            self.output.append(line)
+            self.lines.put(line)
+
+
+class LocalSwarm:
+    """Nodes of one swarm started on this machine; :meth:`stop` (or leaving the ``with`` block) ends them all."""
+
+    def __init__(self, workdir: Path, config_path: Path) -> None:
+        self.workdir, self.config_path = Path(workdir), Path(config_path)
+        self.nodes: dict[str, NodeProcess] = {}
+        self._descendants: set[int] = set()
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    @property
+    def initial_peers(self) -> list[str]:
+        bootstrap = self.nodes.get("bootstrap")
+        return bootstrap.maddrs if bootstrap else []
+
+    def identity(self, name: str) -> Path:
+        return self.workdir / "identities" / f"{name}.key"
+
+    def start(self, name: str, role: str, *args: str) -> NodeProcess:
+        """Starts a node (without waiting for it); its stderr goes to ``logs/NAME.log``."""
+        if name in self.nodes:
+            raise ValueError(f"a node named {name} was already started")
+        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        (self.workdir / "status").mkdir(parents=True, exist_ok=True)
+        log_path = self.workdir / "logs" / f"{name}.log"
+        status_path = self.workdir / "status" / f"{name}.json"
+        command = [
+            *CLI,
+            "join",
+            "--role",
+            role,
+            "--config",
+            str(self.config_path),
+            "--identity",
+            str(self.identity(name)),
+            "--host-maddrs",
+            LOOPBACK,
+            *(["--initial-peers", *self.initial_peers] if self.initial_peers else []),
+            *([] if role == "bootstrap" else ["--status-file", str(status_path)]),
+            *args,
+        ]
+        with log_path.open("w") as log:
+            process = subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,  # its own process group: stopping it reaches its DHT child and p2pd
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        node = NodeProcess(name, role, process, log_path, status_path, self.identity(name))
+        threading.Thread(target=node._pump, name=f"pump-{name}", daemon=True).start()
+        self.nodes[name] = node
+        return node
+
+    def wait_ready(self, nodes: Sequence[NodeProcess], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for node in nodes:
+            node.wait_ready(max(1.0, deadline - time.monotonic()))
+            self._descendants.update(descendants(node.process.pid))
+
+    def kill(self, name: str, signum: int = signal.SIGKILL) -> None:
+        """Sends ``signum`` to a node's whole process group (SIGKILL: as if the machine lost power)."""
+        node = self.nodes[name]
+        self._descendants.update(descendants(node.process.pid))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.process.pid, signum)
+        if signum == signal.SIGKILL:
+            node.process.wait(timeout=10)
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM to every node, SIGKILL to the process groups of those still running after ``grace`` seconds,
+        then SIGKILL to any process they started that outlived them."""
+        for node in self.nodes.values():
+            self._descendants.update(descendants(node.process.pid))
+            if node.alive:
+                with contextlib.suppress(ProcessLookupError):
+                    node.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for node in self.nodes.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for node in self.nodes.values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(node.process.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.process.wait(timeout=5)
+        for pid in self._descendants:
+            if alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def leftovers(self) -> list[int]:
+        """Processes this swarm started that are still alive (empty after :meth:`stop`)."""
+        pids = {node.process.pid for node in self.nodes.values()} | self._descendants
+        return sorted(pid for pid in pids if alive(pid))
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, frontier = [], [pid]
+    while frontier:
+        kids = children.get(frontier.pop(), [])
+        found += kids
+        frontier += kids
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+# --- the demo
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    steps: int = 40
+    attack: str | None = "random"  # None: an honest swarm
+    attack_target: str = "both"
+    attack_start: int = 14  # after the verifiers' warm-up
+    replicas: int = 2  # per stage; on the middle stage one of them is the attacker
+    verifiers: int = 2
+    config_path: Path = DEMO_CONFIG_PATH
+    workdir: Path | None = None  # None: a temporary directory, removed afterwards
+    start_timeout: float = 150.0
+    eval_every: int = 5
+    verify: bool = True  # False: verifiers relay without checking
+    microbatch_timeout: float = 20.0
+    consensus_timeout: float = 20.0  # seconds to wait, after training, for every node to see the exclusion
+
+
+@dataclass
+class DemoResult:
+    summary: dict
+    steps: list[dict]
+
+
+class Demo:
+    """The demo swarm: ``with Demo(settings) as demo: demo.start(); demo.train(); demo.summary()``."""
+
+    def __init__(self, settings: DemoSettings = DemoSettings(), echo: Callable[[str], None] = lambda _: None):
+        self.settings, self.echo = settings, echo
+        self._tempdir = None
+        if settings.workdir is None:
+            self._tempdir = tempfile.TemporaryDirectory(prefix="sentinel-demo-")
+            self.workdir = Path(self._tempdir.name)
+        else:
+            self.workdir = Path(settings.workdir)
+            self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config: Config | None = None
+        self.swarm: LocalSwarm | None = None
+        self.steps: list[dict] = []
+        self.trainer_summary: dict | None = None
+        self.started = time.monotonic()
+        self.attacker: str | None = None
+
+    def __enter__(self) -> Demo:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.swarm is not None:
+            self.swarm.stop()
+        if self._tempdir is not None:
+            self._tempdir.cleanup()
+            self._tempdir = None
+
+    # --- names
+
+    def stage_names(self) -> list[str]:
+        n_stages = self.config.pipeline.n_stages
+        return [f"stage{k}-{r}" for k in range(n_stages) for r in range(self.settings.replicas)]
+
+    def verifier_names(self) -> list[str]:
+        return [f"verifier{i}" for i in range(self.settings.verifiers)]
+
+    def attacker_name(self) -> str | None:
+        if self.settings.attack is None:
+            return None
+        return f"stage{self.config.pipeline.n_stages // 2}-{self.settings.replicas - 1}"
+
+    def node(self, name: str) -> NodeProcess:
+        return self.swarm.nodes[name]
+
+    def peer(self, name: str) -> str:
+        return self.node(name).peer_id
+
+    def honest_peers(self) -> dict[str, str]:
+        """Peer id -> name of every honest stage replica and verifier."""
+        names = [n for n in self.stage_names() + self.verifier_names() if n != self.attacker_name()]
+        return {self.peer(n): n for n in names if n in self.swarm.nodes}
+
+    # --- starting
+
+    def start(self) -> None:
+        """Writes the swarm config (trusting the verifiers it creates identities for) and starts every node but
+        the trainer."""
+        from dht import create_identity_file
+
+        settings = self.settings
+        base = load_config(settings.config_path)
+        if settings.replicas < 2 and settings.attack is not None:
+            raise ValueError("with an attacker, every stage needs at least 2 replicas so an honest one remains")
+        (self.workdir / "identities").mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.swarm = LocalSwarm(self.workdir, self.workdir / "swarm.yaml")
+        verifier_ids = [create_identity_file(self.swarm.identity(name)).peer_id for name in self.verifier_names()]
+        self.config = base.with_overrides(swarm={"trusted_verifiers": verifier_ids, "ban_quorum": 1})
+        (self.workdir / "swarm.yaml").write_text(yaml.safe_dump(self.config.model_dump(), sort_keys=False))
+
+        self.echo(f"starting a local swarm in {self.workdir}")
+        bootstrap = self.swarm.start("bootstrap", "bootstrap")
+        self.swarm.wait_ready([bootstrap], settings.start_timeout)
+        nodes = []
+        for name in self.stage_names():
+            stage = name.split("-")[0].removeprefix("stage")
+            args = ["--stage", stage]
+            if name == self.attacker_name():
+                args += [
+                    "--attack",
+                    settings.attack,
+                    "--attack-target",
+                    settings.attack_target,
+                    "--attack-start",
+                    str(settings.attack_start),
+                ]
+            nodes.append(self.swarm.start(name, "stage", *args))
+        for name in self.verifier_names():
+            nodes.append(self.swarm.start(name, "verifier", *([] if settings.verify else ["--no-verify"])))
+        self.swarm.wait_ready(nodes, settings.start_timeout)
+        self.attacker = self.peer(self.attacker_name()) if self.attacker_name() else None
+        n_stages = self.config.pipeline.n_stages
+        self.echo(
+            f"{n_stages} stages x {settings.replicas} replicas, {settings.verifiers} verifiers"
+            + (
+                f"; attacker {self.attacker_name()} ({self.attacker}) runs '{settings.attack}' "
+                f"on {settings.attack_target} from step {settings.attack_start}"
+                if self.attacker
+                else "; every peer is honest"
+            )
+            + f" ({time.monotonic() - self.started:.0f}s)"
+        )
+
+    # --- training
+
+    def train(self, on_step: Callable[[dict], None] | None = None, steps: int | None = None) -> dict:
+        """Runs the trainer to the end with a live view; returns its summary. ``on_step`` sees each step's record
+        (e.g. to kill a node mid-run)."""
+        steps = self.settings.steps if steps is None else steps
+        metrics = self.workdir / "trainer-metrics.jsonl"
+        trainer = self.swarm.start(
+            "trainer",
+            "trainer",
+            "--steps",
+            str(steps),
+            "--eval-every",
+            str(self.settings.eval_every),
+            "--microbatch-timeout",
+            str(self.settings.microbatch_timeout),
+            "--metrics-out",
+            str(metrics),
+            "--no-progress",
+        )
+        self.swarm.wait_ready([trainer], self.settings.start_timeout)
+        self.echo(f"{'step':>4} {'loss':>7} {'val':>7} {'tok/s':>7} {'flags':>5} {'strikes':>7}  excluded")
+        for record in _follow(metrics, trainer):
+            if record.get("event") == "validation":
+                self.echo(f"{'-':>4} {'':>7} {record['val_loss']:7.3f}  (before training)")
+            elif record.get("event") == "step":
+                self.steps.append(record)
+                self.echo(self._step_line(record))
+                if on_step is not None:
+                    on_step(record)
+            elif record.get("event") == "summary":
+                self.trainer_summary = record
+        code = trainer.process.wait(timeout=30)
+        if code != 0 or self.trainer_summary is None:
+            raise SwarmStartError(f"the trainer exited with code {code}; its log ends with:\n{trainer.log_tail()}")
+        return self.trainer_summary
+
+    def _step_line(self, record: dict) -> str:
+        names = {node.peer_id: name for name, node in self.swarm.nodes.items()}
+        excluded = ", ".join(names.get(peer, peer[:12]) for peer in record["excluded"]) or "-"
+        loss = "-" if record["loss"] is None else f"{record['loss']:.3f}"
+        val = "" if record["val_loss"] is None else f"{record['val_loss']:.3f}"
+        return (
+            f"{record['step']:>4} {loss:>7} {val:>7} {record['tokens_per_s']:>7.0f} {record['flags']:>5} "
+            f"{record['strikes']:>7}  {excluded}"
+        )
+
+    # --- the verdict
+
+    def views(self) -> dict[str, list[str]]:
+        """Each live node's (and the trainer's last) view of who is excluded."""
+        found = {}
+        for name, node in self.swarm.nodes.items():
+            if node.role == "bootstrap" or (not node.alive and name != "trainer"):
+                continue
+            status = node.status()
+            found[name] = None if status is None else status.get("excluded", [])
+        return found
+
+    def wait_for_consensus(self, timeout: float) -> dict[str, list[str]]:
+        """Waits until every live node sees the attacker excluded (or ``timeout``); returns the views."""
+        deadline = time.monotonic() + timeout
+        while True:
+            views = self.views()
+            done = self.attacker is None or all(
+                view is not None and self.attacker in view
+                for name, view in views.items()
+                if name != self.attacker_name()
+            )
+            if done or time.monotonic() > deadline:
+                return views
+            time.sleep(0.5)
+
+    def summary(self) -> dict:
+        """The demo's verdict: did the loss fall, is the attacker excluded in every view, was any honest peer
+        struck (strikes from any verifier) or excluded."""
+        trainer = self.trainer_summary or {}
+        views = self.wait_for_consensus(self.settings.consensus_timeout)
+        honest = self.honest_peers()
+        struck: dict[str, dict[str, int]] = {}
+        checks = 0
+        for name in self.verifier_names():
+            status = self.node(name).status() or {}
+            for peer, record in status.get("ledger", {}).items():
+                checks += record["checks"]
+                if peer in honest and record["strikes"]:
+                    struck.setdefault(honest[peer], {})[name] = record["strikes"]
+        excluded = sorted({peer for view in views.values() if view for peer in view})
+        names = {node.peer_id: name for name, node in self.swarm.nodes.items()}
+        losses = [s["loss"] for s in self.steps if s["loss"] is not None]
+        val_curve = trainer.get("val_curve", [])
+        others = {name: view for name, view in views.items() if name != self.attacker_name()}
+        return {
+            "steps": trainer.get("steps", len(self.steps)),
+            "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None,
+            "first_val_loss": val_curve[0][1] if val_curve else None,
+            "last_val_loss": val_curve[-1][1] if val_curve else None,
+            "loss_fell": bool(len(val_curve) > 1 and val_curve[-1][1] < val_curve[0][1]),
+            "attacker": None if self.attacker is None else {"name": self.attacker_name(), "peer_id": self.attacker},
+            "excluded": [names.get(peer, peer) for peer in excluded],
+            "attacker_excluded_by_every_peer": self.attacker is not None
+            and all(view is not None and self.attacker in view for view in others.values()),
+            "honest_excluded": [names[p] for p in excluded if p in honest],
+            "honest_peers_with_strikes": struck,
+            "verifier_checks": checks,
+            "microbatches": trainer.get("accounting", {}),
+            "tokens_per_s": trainer.get("tokens_per_s"),
+            "wall_s": round(time.monotonic() - self.started, 1),
+        }
+
+
+def run_demo(settings: DemoSettings = DemoSettings(), echo: Callable[[str], None] = lambda _: None) -> DemoResult:
+    """Starts the demo swarm, trains with a live view through ``echo``, and stops every process it started."""
+    with Demo(settings, echo) as demo:
+        demo.start()
+        demo.train()
+        summary = demo.summary()
+    return DemoResult(summary, demo.steps)
+
+
+def render_summary(summary: dict) -> str:
+    """The summary as a few readable lines."""
+    accounting = summary["microbatches"]
+    lines = [
+        f"steps {summary['steps']} in {summary['wall_s']:.0f}s; training loss {_num(summary['first_loss'])} -> "
+        f"{_num(summary['last_loss'])}, validation loss {_num(summary['first_val_loss'])} -> "
+        f"{_num(summary['last_val_loss'])} ({'falling' if summary['loss_fell'] else 'NOT falling'})",
+        f"microbatches: {accounting.get('sent')} sent, {accounting.get('succeeded')} succeeded, "
+        f"{accounting.get('dropped')} dropped by verifiers, {accounting.get('retried')} retried, "
+        f"{accounting.get('failed')} failed",
+    ]
+    if summary["attacker"]:
+        seen = "excluded in every peer's view" if summary["attacker_excluded_by_every_peer"] else "NOT excluded"
+        lines.append(f"attacker {summary['attacker']['name']}: {seen}")
+    lines.append(f"excluded: {', '.join(summary['excluded']) or 'nobody'}")
+    honest = summary["honest_peers_with_strikes"]
+    lines.append(
+        "honest peers excluded: "
+        + (", ".join(summary["honest_excluded"]) or "none")
+        + "; honest peers with strikes: "
+        + (", ".join(f"{name} {votes}" for name, votes in honest.items()) or "none")
+    )
+    return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _follow(path: Path, node: NodeProcess, poll: float = 0.2) -> Iterator[dict]:
+    """The JSON lines appended to ``path`` until ``node`` exits (and the rest after it did)."""
+    position = 0
+    while True:
+        running = node.alive
+        try:
+            with path.open("rb") as f:
+                f.seek(position)
+                chunk = f.read()
+        except FileNotFoundError:
+            chunk = b""
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        position += len(complete)
+        for line in complete.decode(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                yield json.loads(line)
+        if not running:
+            return
+        time.sleep(poll)
