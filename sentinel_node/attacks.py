@@ -104,17 +104,16 @@ def mixed(tensor: torch.Tensor, step: int, state: dict, every: int = 5) -> torch
 def adaptive(
     tensor: torch.Tensor, step: int, state: dict, margin: float = 0.9, warmup: int = 20, settings=None
 ) -> torch.Tensor:
-    """An attacker who knows SENTINEL's metrics: it pushes the tensor towards its sign inversion as far as it can
-    while every metric stays under `margin` times the threshold it estimates from its own honest tensors (after
-    `warmup` of them: it sees only its own share of the traffic, so it cannot wait as long as a verifier).
+    """An attacker who knows SENTINEL's metrics: it replaces as large a share of the signal with noise of the same
+    norm as it can while every metric stays under `margin` times the threshold it estimates from its own honest
+    tensors (after `warmup` of them: it sees only its own share of the traffic, so it cannot wait as long as a
+    verifier).
     """
     from sentinel_node.verification import BoundaryMonitor
 
     if "monitor" not in state:
         if settings is None:
-            raise AttackError(
-                "the adaptive attack needs the swarm's verification settings (the simulator passes them)"
-            )
+            raise AttackError("the adaptive attack needs the swarm's verification settings (the simulator passes them)")
         own = dataclasses.replace(settings, warmup=min(warmup, settings.warmup))
         state["monitor"] = BoundaryMonitor(own, hidden_size=tensor.shape[-1], dtype=tensor.dtype)
     monitor: BoundaryMonitor = state["monitor"]
@@ -124,17 +123,22 @@ def adaptive(
         return tensor
 
     limits = {name: margin * monitor.thresholds[name].threshold() for name in monitor.thresholds}
+    noise = torch.randn(tensor.shape, generator=_generator(state), dtype=torch.float32).to(tensor.dtype)
+    noise = noise * (tensor.norm() / noise.norm().clamp_min(1e-30))
 
-    def passes(alpha: float) -> bool:
-        candidate = monitor.profiler(tensor * (1 - 2 * alpha))
-        return all(score <= limits[name] for name, score in _scores(candidate, reference).items())
+    def blend(fraction: float) -> torch.Tensor:
+        return (1 - fraction) ** 0.5 * tensor + fraction**0.5 * noise
+
+    def passes(fraction: float) -> bool:
+        scores = _scores(monitor.profiler(blend(fraction)), reference)
+        return all(score <= limits[name] for name, score in scores.items())
 
     low, high = 0.0, 1.0
     for _ in range(8):
         mid = (low + high) / 2
         low, high = (mid, high) if passes(mid) else (low, mid)
     monitor.check(tensor, "self")
-    return tensor * (1 - 2 * low) if low > 0 else tensor
+    return blend(low) if low > 0 else tensor
 
 
 def _scores(profile, reference) -> dict[str, float]:

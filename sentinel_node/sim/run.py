@@ -1,0 +1,58 @@
+"""One simulator run as the `simulate` command makes it: pick the attack, train, summarize."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from sentinel_node.attacks import load_attack_file, make_attack
+from sentinel_node.config import Config
+from sentinel_node.model import load_corpus
+from sentinel_node.sim.mesh import AttackPlan, Mesh
+from sentinel_node.sim.report import step_line, summary, summary_text
+
+
+def attack_plan(config: Config, attack: str | None, attack_file: str | None, target: str) -> AttackPlan | None:
+    """The plan for a catalogue attack or a red team's file; None for an honest run."""
+    if attack_file is not None:
+        name, fn = load_attack_file(attack_file)
+        return AttackPlan(name, target, lambda direction: fn)
+    if attack is None:
+        return None
+    make_attack(attack) if attack != "adaptive" else None  # an unknown name fails here, with the catalogue listed
+
+    def make(direction: str):
+        if attack == "adaptive":
+            return make_attack(attack, settings=config.verification.monitor_settings(direction, config.swarm.seed))
+        return make_attack(attack)
+
+    return AttackPlan(attack, target, make)
+
+
+def simulate(
+    config: Config,
+    attack: str | None = None,
+    attack_file: str | None = None,
+    target: str = "activation",
+    verify: bool = True,
+    on_line: Callable[[str], None] | None = None,
+) -> dict:
+    """Trains the mesh; `on_line` receives a line per step. Returns the summary (with its text under "text")."""
+    plan = attack_plan(config, attack, attack_file, target)
+    corpus = load_corpus(config.data.path, config.data.val_fraction, config.data.max_bytes)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    started = time.monotonic()
+    mesh = Mesh(config, corpus, plan, verify=verify)
+    if on_line is not None:
+        malicious = [w.id for w in mesh.all_workers if w.malicious]
+        on_line(
+            f"mesh: {config.pipeline.n_stages} stages x {config.sim.replicas} replicas, "
+            f"attack {plan.name + ' on ' + plan.target + 's' if plan else 'none'}"
+            f"{' from step ' + str(config.sim.attack_start) if plan else ''}, "
+            f"malicious {', '.join(malicious) or 'none'}, verification {'on' if verify else 'off'}"
+        )
+    result = mesh.run(on_step=(lambda log: on_line(step_line(log))) if on_line is not None else None)
+    report = summary(result, time.monotonic() - started)
+    return {**report, "text": summary_text(report)}
