@@ -9,7 +9,11 @@ averages a snapshot and applies the change (average - snapshot), so optimizer st
 not lost.
 """
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
+
+# hivemind's ServicerBase recognises a streaming handler only by typing.AsyncIterator (collections.abc's generic
+# alias has no _name): with the other one, callers await a generator and every join request fails.
+from typing import AsyncIterator  # noqa: UP035
 
 import torch
 from hivemind import DHT

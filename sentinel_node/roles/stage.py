@@ -426,6 +426,11 @@ class StageNode:
         return stepped
 
     async def _average(self, step: int) -> None:
+        view = self.views.view
+        others = [a.peer_id for a in view.live_replicas(self.stage) if a.peer_id != self.context.peer_id]
+        if not others or view.is_excluded(self.context.peer_id):
+            self.averaging = None  # nobody to average with (or nobody who would average with us)
+            return
         try:
             snapshot = await self.lane.run(self.averager.snapshot)
             group = await asyncio.to_thread(self.averager.average, step)
