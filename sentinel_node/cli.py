@@ -206,6 +206,9 @@ def join(
         announce_maddrs=_maddrs(announce_maddrs, "--announce-maddrs"),
     )
     extra = _role_settings(role, role_options)
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    use_hivemind_log_handler("in_root_logger")  # the node's own INFO lines (steps, flags, bans) go to stderr too
     module, function = ROLE_RUNNERS[role]
     runner = getattr(importlib.import_module(module), function)
     try:
@@ -315,3 +318,90 @@ def strikes(initial_peers, config_path, timeout, as_json) -> None:
 def bans(initial_peers, config_path, timeout, as_json) -> None:
     """Excluded peers and the votes that excluded them."""
     _show_swarm("bans", initial_peers, config_path, timeout, as_json)
+
+
+# --- simulate and bench: the in-process mesh and the measured figures ----------------------------------------------
+
+
+def _attack_choice():
+    from sentinel_node.attacks import CATALOGUE
+
+    return click.Choice(sorted(CATALOGUE))
+
+
+@main.command()
+@_config_option
+@click.option("--attack", type=_attack_choice(), help="Attack the malicious replicas run (default: none).")
+@click.option("--attack-file", help="A red team's own attack: PATH.py:NAME, a function (tensor, step, state).")
+@click.option(
+    "--target", type=click.Choice(["activation", "gradient", "both"]), default="activation", show_default=True
+)
+@click.option("--steps", type=click.IntRange(min=1), help="Global steps (default: the config's sim.steps).")
+@click.option("--attack-start", type=click.IntRange(min=0), help="Step the attackers start at.")
+@click.option("--no-verify", is_flag=True, help="Run without SENTINEL (verifiers relay only).")
+@click.option("--data", type=click.Path(file_okay=False), help="A folder of your own text files to train on.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+def simulate(config_path, attack, attack_file, target, steps, attack_start, no_verify, data, as_json) -> None:
+    """Train a DP x PP mesh in this process, with SENTINEL verifiers and attacking replicas, and show it live."""
+    import json
+
+    from sentinel_node.attacks import AttackError
+    from sentinel_node.sim.run import simulate as run_simulation
+
+    config = _load(config_path)
+    sim = {k: v for k, v in {"steps": steps, "attack_start": attack_start}.items() if v is not None}
+    overrides = {"sim": sim, **({"data": {"path": data}} if data else {})}
+    try:
+        result = run_simulation(
+            config.with_overrides(**overrides),
+            attack=attack,
+            attack_file=attack_file,
+            target=target,
+            verify=not no_verify,
+            on_line=None if as_json else click.echo,
+        )
+    except (AttackError, FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(result, indent=2) if as_json else result["text"])
+
+
+@main.group()
+def bench() -> None:
+    """Measured figures: detection (the attack catalogue in the simulator)."""
+
+
+@bench.command()
+@_config_option
+@click.option("--quick", is_flag=True, help="The profile that finishes within 5 minutes on 2 cores.")
+@click.option("--attack", "attacks", multiple=True, type=_attack_choice(), help="Only this attack (repeatable).")
+@click.option("--attack-file", help="A red team's own attack, PATH.py:NAME; run on activations and on gradients.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@click.option("--out", type=click.Path(file_okay=False), default="runs/bench", show_default=True, help="PNGs, JSON.")
+@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="Runs in parallel.")
+def detection(config_path, quick, attacks, attack_file, as_json, out, workers) -> None:
+    """SENTINEL against every attack: worker-level F1, flag rates, time to ban, validation loss."""
+    import json
+    from pathlib import Path
+
+    from sentinel_node.attacks import AttackError
+    from sentinel_node.bench.detection import plot, run_detection, table
+
+    config = _load(config_path)
+    try:
+        report = run_detection(
+            config,
+            profile="quick" if quick else "full",
+            attacks=list(attacks) or None,
+            attack_file=attack_file,
+            workers=workers,
+            progress=None if as_json else lambda line: click.echo(line, err=True),
+        )
+    except (AttackError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+    out_dir = Path(out)
+    plot(report, out_dir)
+    (out_dir / "detection.json").write_text(json.dumps(report, indent=2))
+    printable = {**report, "attacks": [{k: v for k, v in row.items() if k != "curves"} for row in report["attacks"]]}
+    click.echo(json.dumps(printable, indent=2) if as_json else table(report))
+    if not as_json:
+        click.echo(f"plots and detection.json in {out_dir}/")

@@ -82,6 +82,11 @@ class TrainerOptions:
     progress: bool = False
 
 
+def _refused(error: HopError) -> bool:
+    code = getattr(error, "inner_code", error.code)
+    return code == "refused"
+
+
 class AccountingError(RuntimeError):
     """A microbatch was started or settled twice: a bug, never a network condition."""
 
@@ -376,6 +381,9 @@ class TrainerNode:
                         note_failures(self.blacklist, failures)
                         avoid.update(f.culprit for f in failures if f.culprit)
                         logger.info(f"microbatch {name}: attempt {attempt + 1} failed: {e}")
+                        if _refused(e):
+                            # a peer that joined a moment ago may not be in everyone's view yet: give it a refresh
+                            await asyncio.sleep(self.config.swarm.announce_period)
                         continue
                     note_failures(self.blacklist, reply.failures)
                     loss = reply.metadata.loss
@@ -455,7 +463,8 @@ class TrainerNode:
         while True:
             view = await self.views.refresh(force=True)
             health = view.health()
-            if health.ok:
+            # stages admit only trainers they can read in the DHT: wait until ours is there too
+            if health.ok and self.context.peer_id in view.trainers:
                 return
             if time.monotonic() > deadline:
                 raise NodeError(

@@ -1,0 +1,290 @@
+"""The verified pipeline over libp2p, as real processes on loopback.
+
+One swarm for the whole module (it takes half a minute to start on two cores): the demo's swarm (bootstrap,
+3 stages x 2 replicas of which one replica of stage 1 attacks from step ATTACK_START, 2 trusted verifiers, a
+trainer). While it trains, a stage 2 replica is SIGKILLed and later a verifier. The steps before the attack
+starts are an honest swarm. After training, the tests call the nodes themselves as a peer of their own: a
+"stage" that skips the verifier, an excluded peer, and every kind of malformed tensor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
+from hivemind.proto.runtime_pb2 import Tensor as WireTensor
+from hivemind.utils import get_dht_time
+
+from dht import Identity, StageAnnouncement, VerifierAnnouncement, create_identity_file, load_identity_file
+from sentinel_node.demo import Demo, DemoSettings
+from sentinel_node.roles.common import record_store, start_dht, stop_dht
+from sentinel_node.roles.runtime import STAGE_FORWARD, VERIFIER_RELAY, PipelineRequest, Shapes, transport_settings
+from sentinel_node.transport import (
+    Hop,
+    HopBanned,
+    HopError,
+    HopMalformed,
+    HopRefused,
+    MicrobatchReply,
+    Reply,
+    call_peer,
+)
+from sentinel_node.transport.errors import decode_error
+from sentinel_node.transport.messages import pack_envelope, unpack_envelope
+
+STEPS = 30
+ATTACK_START = 12
+KILL_STAGE_AT = 6  # stage2-1, SIGKILL
+KILL_VERIFIER_AT = 22  # verifier1, SIGKILL (after both verifiers banned the attacker)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> Iterator[Demo]:
+    settings = DemoSettings(
+        steps=STEPS,
+        attack="random",
+        attack_start=ATTACK_START,
+        workdir=tmp_path_factory.mktemp("swarm"),
+        eval_every=6,
+    )
+    with Demo(settings) as running:
+        running.start()
+
+        def chaos(record: dict) -> None:
+            if record["step"] == KILL_STAGE_AT:
+                running.swarm.kill("stage2-1")
+            elif record["step"] == KILL_VERIFIER_AT:
+                running.swarm.kill("verifier1")
+
+        running.train(on_step=chaos)
+        running.result = running.summary()
+        yield running
+
+
+def test_honest_phase_trains_and_nobody_is_struck(demo):
+    before_attack = [s for s in demo.steps if s["step"] < ATTACK_START]
+    assert len(before_attack) == ATTACK_START
+    assert all(s["strikes"] == 0 and s["flags"] == 0 and not s["excluded"] for s in before_attack)
+    val_curve = dict(demo.trainer_summary["val_curve"])
+    assert val_curve[6] < val_curve[0] - 0.3, val_curve  # measured before the attack starts
+    assert all(s["loss"] is not None for s in before_attack)
+
+
+def test_attacker_is_excluded_swarm_wide_and_training_goes_on(demo):
+    summary = demo.result
+    assert summary["attacker_excluded_by_every_peer"], demo.views()
+    assert summary["excluded"] == [demo.attacker_name()]
+    assert summary["honest_excluded"] == []
+    assert summary["honest_peers_with_strikes"] == {}
+    assert summary["steps"] == STEPS
+    assert summary["loss_fell"] and summary["last_val_loss"] < summary["first_val_loss"] - 0.5
+    after_exclusion = [s for s in demo.steps if demo.attacker in s["excluded"]]
+    assert after_exclusion and after_exclusion[0]["step"] < ATTACK_START + 6  # banned within a few steps
+    assert all(s["loss"] is not None and s["microbatches"] >= 3 for s in after_exclusion)
+
+
+def test_killed_stage_and_verifier_lose_no_microbatch(demo):
+    accounting = demo.trainer_summary["accounting"]
+    assert accounting["consistent"], accounting
+    assert accounting["sent"] == STEPS * demo.config.pipeline.microbatches_per_step
+    assert accounting["failed"] == 0
+    assert accounting["succeeded"] + accounting["dropped"] == accounting["sent"]
+    assert not demo.node("stage2-1").alive and not demo.node("verifier1").alive
+    after_kills = [s for s in demo.steps if s["step"] > KILL_VERIFIER_AT]
+    assert after_kills and all(s["microbatches"] >= 3 for s in after_kills)
+
+
+class Peer:
+    """A peer of the test's own, in the swarm's DHT, that announces what the test says and calls handlers."""
+
+    def __init__(self, demo: Demo, identity: Identity) -> None:
+        self.demo, self.identity, self.config = demo, identity, demo.config
+        self.dht = start_dht(self.config, identity, initial_peers=demo.swarm.initial_peers, check_identity=False)
+        self.store = record_store(self.dht, self.config, identity)
+        self.loop = asyncio.new_event_loop()
+        self.p2p = self.loop.run_until_complete(self.dht.replicate_p2p())
+        self.shapes = Shapes.of(self.config)
+        self.settings = transport_settings(self.config)
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.p2p.shutdown())
+        self.loop.close()
+        stop_dht(self.dht)
+
+    def announce(self, kind: type, **fields) -> None:
+        record = kind(
+            peer_id=self.identity.peer_id,
+            maddrs=[str(m) for m in self.dht.get_visible_maddrs()],
+            state="online",
+            relayed=False,
+            throughput=0.0,
+            config_hash=self.config.swarm_hash(),
+            version="test",
+            time=get_dht_time(),
+            **fields,
+        )
+        self.store.put(record, ttl=60.0)
+
+    def meta(self, route: list[Hop]) -> PipelineRequest:
+        return PipelineRequest(
+            deadline=time.time() + 15,
+            microbatch_id=f"test.{time.monotonic_ns()}",
+            step=STEPS,
+            kind="forward",
+            route=route,
+        )
+
+    def call(self, peer: str, handler: str, tensors: list[torch.Tensor], route: list[Hop]) -> Reply | HopError:
+        coroutine = call_peer(self.p2p, peer, handler, tensors, self.meta(route), settings=self.settings)
+        try:
+            return self.loop.run_until_complete(coroutine)
+        except HopError as e:
+            return e
+
+    def raw(self, peer: str, handler: str, request: ExpertRequest) -> HopError:
+        from hivemind.p2p import PeerID
+
+        response = self.loop.run_until_complete(
+            self.p2p.call_protobuf_handler(PeerID.from_base58(peer), handler, request, ExpertResponse)
+        )
+        error = unpack_envelope(response.metadata).error
+        assert error is not None
+        return decode_error(error, peer)
+
+    def tokens(self) -> torch.Tensor:
+        return torch.randint(0, self.shapes.vocab, (self.shapes.batch, self.shapes.seq_len))
+
+    def activation(self) -> torch.Tensor:
+        return torch.randn(self.shapes.activation)
+
+
+def until_not_refused(attempt, timeout: float = 10.0):
+    """The result of ``attempt()`` once the node's view holds our new announcement (a refusal until then)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = attempt()
+        if not isinstance(result, HopRefused) or isinstance(result, HopBanned) or time.monotonic() > deadline:
+            return result
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def stranger(demo, tmp_path_factory) -> Iterator[Peer]:
+    peer = Peer(demo, create_identity_file(tmp_path_factory.mktemp("stranger") / "id.key"))
+    yield peer
+    peer.close()
+
+
+def test_stage_refuses_activations_straight_from_a_stage(demo, stranger):
+    stranger.announce(StageAnnouncement, stage=0)
+    time.sleep(2 * demo.config.swarm.announce_period)  # every node has read the announcement by now
+    route = [Hop(peer_id=demo.peer("verifier0"), boundary=1), Hop(peer_id=demo.peer("stage2-0"))]
+    error = stranger.call(demo.peer("stage1-0"), STAGE_FORWARD, [stranger.activation(), stranger.tokens()], route)
+    assert isinstance(error, HopRefused) and not isinstance(error, HopBanned), error
+    assert "accepts activations only from a verifier announced for boundary 0|1" in error.detail
+    assert demo.node("stage1-0").alive
+
+
+def test_malformed_tensors_get_a_clear_error_a_strike_and_the_verifier_keeps_serving(demo, stranger):
+    verifier = demo.peer("verifier0")
+    route = [Hop(peer_id=demo.peer("stage1-0"))]
+    nan = stranger.activation()
+    nan[0, 0, 0] = float("nan")
+    cases = [
+        ([nan, stranger.tokens()], "non-finite values"),
+        ([torch.randn(8, 64, 32), stranger.tokens()], "shape (8, 64, 32)"),
+        ([stranger.activation().half(), stranger.tokens()], "dtype torch.float16"),
+    ]
+    for tensors, message in cases:
+        error = until_not_refused(lambda t=tensors: stranger.call(verifier, VERIFIER_RELAY, t, route))
+        assert isinstance(error, HopMalformed), error
+        assert message in error.detail and "a strike was recorded" in error.detail, error.detail
+
+    declared_huge = WireTensor(buffer=b"", size=[8, 64, 999999], dtype="float32")
+    error = stranger.raw(
+        verifier,
+        VERIFIER_RELAY,
+        ExpertRequest(metadata=pack_envelope(stranger.meta(route), 1), tensors=[declared_huge]),
+    )
+    assert isinstance(error, HopMalformed) and "over the 64 MiB limit" in error.detail, error
+    error = stranger.raw(verifier, VERIFIER_RELAY, ExpertRequest(metadata=b"\x93garbage"))
+    assert isinstance(error, HopMalformed) and "metadata is not msgpack" in error.detail, error
+    wrong_bytes = WireTensor(buffer=b"\x00garbage", size=[8, 64, 64], dtype="float32")
+    error = stranger.raw(
+        verifier, VERIFIER_RELAY, ExpertRequest(metadata=pack_envelope(stranger.meta(route), 1), tensors=[wrong_bytes])
+    )
+    assert isinstance(error, HopMalformed) and "does not match shape" in error.detail, error
+
+    # three malformed activations were three strikes: this verifier banned the sender and says so
+    error = stranger.call(verifier, VERIFIER_RELAY, [stranger.activation(), stranger.tokens()], route)
+    assert isinstance(error, HopBanned), error
+    records = {}
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not records.get(verifier):
+        records = stranger.store.strikes(stranger.identity.peer_id)
+        time.sleep(0.5)
+    assert records[verifier].strikes == 3 and records[verifier].banned
+
+    # still serving: an honest replica of stage 0 would still get through (the verifier is alive and relays)
+    assert demo.node("verifier0").alive
+    status = demo.node("verifier0").status()
+    assert status["malformed"] >= 3
+
+
+def test_stage_checks_tensors_from_a_verifier_and_keeps_serving(demo, tmp_path_factory):
+    peer = Peer(demo, create_identity_file(tmp_path_factory.mktemp("fake-verifier") / "id.key"))
+    try:
+        peer.announce(VerifierAnnouncement, boundaries=[0])
+        stage = demo.peer("stage1-0")
+        route = [Hop(peer_id=demo.peer("verifier0"), boundary=1), Hop(peer_id=demo.peer("stage2-0"))]
+        nan = peer.activation()
+        nan[1, 2, 3] = float("inf")
+        error = until_not_refused(lambda: peer.call(stage, STAGE_FORWARD, [nan, peer.tokens()], route))
+        assert isinstance(error, HopMalformed) and "NaN or infinite" in error.detail, error
+        error = peer.call(stage, STAGE_FORWARD, [torch.randn(8, 64, 32), peer.tokens()], route)
+        assert isinstance(error, HopMalformed) and "expected (8, 64, 64)" in error.detail, error
+        bad_tokens = peer.tokens() + 1000
+        error = peer.call(stage, STAGE_FORWARD, [peer.activation(), bad_tokens], route)
+        assert isinstance(error, HopMalformed) and "token ids must lie in [0, 256)" in error.detail, error
+
+        # and it still serves a well-formed microbatch end to end: through verifier0 and stage 2 and back
+        reply = peer.call(stage, STAGE_FORWARD, [peer.activation() * 0.5, peer.tokens()], route)
+        assert isinstance(reply, Reply), reply
+        assert isinstance(reply.metadata, MicrobatchReply) and math.isfinite(reply.metadata.loss)
+    finally:
+        peer.close()
+
+
+def test_an_excluded_peer_is_refused_everywhere(demo):
+    attacker = demo.attacker_name()
+    demo.swarm.kill(attacker)  # its peer id is about to be used by the test
+    peer = Peer(demo, load_identity_file(demo.swarm.identity(attacker)))
+    try:
+        peer.announce(StageAnnouncement, stage=0)
+        route = [Hop(peer_id=demo.peer("stage1-0"))]
+        error = peer.call(demo.peer("verifier0"), VERIFIER_RELAY, [peer.activation(), peer.tokens()], route)
+        assert isinstance(error, HopBanned), error
+        route = [Hop(peer_id=demo.peer("verifier0"), boundary=1), Hop(peer_id=demo.peer("stage2-0"))]
+        error = peer.call(demo.peer("stage1-0"), STAGE_FORWARD, [peer.activation(), peer.tokens()], route)
+        assert isinstance(error, HopBanned) and "is excluded from the swarm" in error.detail, error
+    finally:
+        peer.close()
+
+
+def test_every_process_is_gone_after_stop(demo):
+    started = {name: node.process.pid for name, node in demo.swarm.nodes.items()}
+    assert len(started) == 10  # bootstrap, 6 stages, 2 verifiers, trainer
+    demo.swarm.stop()
+    assert demo.swarm.leftovers() == []
+    assert all(node.process.returncode is not None for node in demo.swarm.nodes.values())
+    clean = [name for name, node in demo.swarm.nodes.items() if node.process.returncode == 0]
+    assert {"bootstrap", "stage0-0", "verifier0"} <= set(clean), {
+        n: x.process.returncode for n, x in demo.swarm.nodes.items()
+    }
