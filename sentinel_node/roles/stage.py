@@ -190,6 +190,7 @@ class StageNode:
         self.stats = {"served": 0, "evaluated": 0, "dropped": 0, "failed": 0, "attacked": 0, "steps": 0}
         self.averaging: asyncio.Task | None = None
         self.averaged_with: list[str] = []
+        self._averaged: list[torch.Tensor] | None = None  # the snapshot of a finished round, until applied
         self._compute_s = 0.0
         self._throughput = 0.0
 
@@ -418,11 +419,23 @@ class StageNode:
         if step <= self.last_step:
             return False
         self.last_step = step
-        stepped = await self._compute(self.worker.step, step)
+        stepped = await self._compute(self._step_and_merge, step)
         self.stats["steps"] += int(stepped)
         due = (step + 1) % self.config.pipeline.average_every == 0
         if self.averager is not None and due and self.averaging is None:
             self.averaging = asyncio.create_task(self._average(step))
+        return stepped
+
+    def _step_and_merge(self, step: int) -> bool:
+        """The optimizer step, then the change an averaging round brought, if one finished since the last step.
+
+        Parameters change only here, between global steps, when no microbatch holds a graph through them: changing
+        them under a pending backward pass would fail it (autograd checks the versions of saved tensors).
+        """
+        stepped = self.worker.step(step)
+        if self._averaged is not None:
+            self.averager.apply(self._averaged)
+            self._averaged = None
         return stepped
 
     async def _average(self, step: int) -> None:
@@ -435,7 +448,7 @@ class StageNode:
             snapshot = await self.lane.run(self.averager.snapshot)
             group = await asyncio.to_thread(self.averager.average, step)
             if group is not None:
-                await self.lane.run(self.averager.apply, snapshot)
+                self._averaged = snapshot  # applied with the next step
                 self.averaged_with = group
                 logger.info(f"stage {self.stage}: averaged parameters at step {step} with {len(group) - 1} replicas")
         except Exception:

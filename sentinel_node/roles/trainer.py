@@ -82,9 +82,12 @@ class TrainerOptions:
     progress: bool = False
 
 
-def _refused(error: HopError) -> bool:
-    code = getattr(error, "inner_code", error.code)
-    return code == "refused"
+_AVOID_CODES = frozenset({"unavailable", "deadline", "overloaded", "internal"})
+
+
+def _code(error: HopError) -> str:
+    """What went wrong, wherever along the route it did."""
+    return getattr(error, "inner_code", error.code)
 
 
 class AccountingError(RuntimeError):
@@ -379,11 +382,14 @@ class TrainerNode:
                     except HopError as e:
                         failures = e.failures or [e]
                         note_failures(self.blacklist, failures)
-                        avoid.update(f.culprit for f in failures if f.culprit)
+                        # a peer that failed to answer is avoided; one that refused did its job (the culprit of a
+                        # refusal is the refusing peer, not the peer it refused)
+                        avoid.update(f.culprit for f in failures if f.culprit and _code(f) in _AVOID_CODES)
                         logger.info(f"microbatch {name}: attempt {attempt + 1} failed: {e}")
-                        if _refused(e):
-                            # a peer that joined a moment ago may not be in everyone's view yet: give it a refresh
+                        if _code(e) in ("refused", "banned"):
+                            # our view or theirs is behind (a peer just joined, or was just banned): catch up
                             await asyncio.sleep(self.config.swarm.announce_period)
+                            await self.views.refresh(force=True)
                         continue
                     note_failures(self.blacklist, reply.failures)
                     loss = reply.metadata.loss
