@@ -105,7 +105,8 @@ class LocalSwarm:
     def __init__(self, workdir: Path, config_path: Path) -> None:
         self.workdir, self.config_path = Path(workdir), Path(config_path)
         self.nodes: dict[str, NodeProcess] = {}
-        self._descendants: set[int] = set()
+        # pid -> start time: a pid seen once may later name another process, which must never be signalled
+        self._descendants: dict[int, int] = {}
 
     def __enter__(self) -> LocalSwarm:
         return self
@@ -163,12 +164,12 @@ class LocalSwarm:
         deadline = time.monotonic() + timeout
         for node in nodes:
             node.wait_ready(max(1.0, deadline - time.monotonic()))
-            self._descendants.update(descendants(node.process.pid))
+            self._remember_descendants(node)
 
     def kill(self, name: str, signum: int = signal.SIGKILL) -> None:
         """Sends ``signum`` to a node's whole process group (SIGKILL: as if the machine lost power)."""
         node = self.nodes[name]
-        self._descendants.update(descendants(node.process.pid))
+        self._remember_descendants(node)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(node.process.pid, signum)
         if signum == signal.SIGKILL:
@@ -178,7 +179,7 @@ class LocalSwarm:
         """SIGTERM to every node, SIGKILL to the process groups of those still running after ``grace`` seconds,
         then SIGKILL to any process they started that outlived them."""
         for node in self.nodes.values():
-            self._descendants.update(descendants(node.process.pid))
+            self._remember_descendants(node)
             if node.alive:
                 with contextlib.suppress(ProcessLookupError):
                     node.process.send_signal(signal.SIGTERM)
@@ -191,15 +192,29 @@ class LocalSwarm:
                 os.killpg(node.process.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.process.wait(timeout=5)
-        for pid in self._descendants:
-            if alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        for pid in self.leftovers():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5  # a killed process takes a moment to die
+        while self.leftovers() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
-    def leftovers(self) -> list[int]:
-        """Processes this swarm started that are still alive (empty after :meth:`stop`)."""
-        pids = {node.process.pid for node in self.nodes.values()} | self._descendants
-        return sorted(pid for pid in pids if alive(pid))
+    def leftovers(self) -> dict[int, str]:
+        """Processes this swarm started that are still alive, with their command names (none after :meth:`stop`)."""
+        found = {}
+        for pid, started in self._descendants.items():
+            if alive(pid) and start_time(pid) == started:
+                found[pid] = command_name(pid)
+        for node in self.nodes.values():
+            if node.process.poll() is None:
+                found[node.process.pid] = command_name(node.process.pid)
+        return dict(sorted(found.items()))
+
+    def _remember_descendants(self, node: NodeProcess) -> None:
+        for pid in descendants(node.process.pid):
+            started = start_time(pid)
+            if started is not None:
+                self._descendants[pid] = started
 
 
 def descendants(pid: int) -> list[int]:
@@ -217,6 +232,21 @@ def descendants(pid: int) -> list[int]:
         found += kids
         frontier += kids
     return found
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks after boot), which tells a process from a later one with its pid."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def command_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
 
 
 def alive(pid: int) -> bool:

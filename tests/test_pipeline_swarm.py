@@ -286,7 +286,7 @@ def test_every_process_is_gone_after_stop(demo):
     started = {name: node.process.pid for name, node in demo.swarm.nodes.items()}
     assert len(started) == 10  # bootstrap, 6 stages, 2 verifiers, trainer
     demo.swarm.stop()
-    assert demo.swarm.leftovers() == []
+    assert demo.swarm.leftovers() == {}
     assert all(node.process.returncode is not None for node in demo.swarm.nodes.values())
     clean = [name for name, node in demo.swarm.nodes.items() if node.process.returncode == 0]
     assert {"bootstrap", "stage0-0", "verifier0"} <= set(clean), {

@@ -164,18 +164,24 @@ class StrikePublisher:
     def _run(self) -> None:
         while True:
             self._wake.get()
-            with self._lock:
-                pending, self._latest = self._latest, {}
-            for record in pending.values():
-                try:
-                    self.store.put(record, ttl=self.ttl)
-                    self.published += 1
-                except RecordError as e:
-                    logger.error(f"cannot publish a strike record on {record.accused}: {e}")
-                except Exception as e:  # a failing DHT must not end the thread; the next change retries
-                    logger.warning(f"publishing a strike record failed ({type(e).__name__}: {e})")
+            while True:  # until nothing is pending, so a stop never loses the last verdicts
+                with self._lock:
+                    pending, self._latest = self._latest, {}
+                if not pending:
+                    break
+                for record in pending.values():
+                    self._put(record)
             if self._stopped:
                 return
+
+    def _put(self, record: StrikeRecord) -> None:
+        try:
+            self.store.put(record, ttl=self.ttl)
+            self.published += 1
+        except RecordError as e:
+            logger.error(f"cannot publish a strike record on {record.accused}: {e}")
+        except Exception as e:  # a failing DHT must not end the thread; the next change retries
+            logger.warning(f"publishing a strike record failed ({type(e).__name__}: {e})")
 
 
 class VerifierNode:

@@ -1,0 +1,193 @@
+"""The pipeline roles' decisions, without a network: accounting, who may call, candidates, attacks, strikes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from dht import StageAnnouncement, StrikeRecord, TrainerAnnouncement, VerifierAnnouncement
+from peers import Exclusion, LivenessBlacklist, SwarmView
+from sentinel_node.attacks import AttackError
+from sentinel_node.cli import main
+from sentinel_node.config import load_config
+from sentinel_node.roles.runtime import Gatekeeper, live_trainer, live_verifier, order_candidates, stage_of
+from sentinel_node.roles.stage import AttackOptions
+from sentinel_node.roles.trainer import Accounting, AccountingError
+from sentinel_node.roles.verifier import StrikePublisher, is_malformed
+from sentinel_node.transport import Hop, HopBanned, HopRefused
+
+
+def peer(name: str) -> str:
+    return "Qm" + (name * 44)[:44]
+
+
+TRAINER, STAGE0, STAGE1, VERIFIER, OUTSIDER, CHEAT = (peer(c) for c in "TSsVuC")
+
+
+def fields(peer_id: str, state: str = "online") -> dict:
+    return dict(
+        peer_id=peer_id,
+        maddrs=[],
+        state=state,
+        relayed=False,
+        throughput=1.0,
+        config_hash="x",
+        version="test",
+        time=1.0,
+    )
+
+
+def strike(accused: str) -> StrikeRecord:
+    return StrikeRecord(
+        verifier=VERIFIER,
+        accused=accused,
+        boundary=0,
+        direction="activation",
+        strikes=3,
+        checks=9,
+        flags=3,
+        metrics={},
+        banned=True,
+        config_hash="x",
+        version="test",
+        time=1.0,
+    )
+
+
+def view() -> SwarmView:
+    return SwarmView(
+        n_stages=2,
+        stages={
+            0: {
+                STAGE0: StageAnnouncement(stage=0, **fields(STAGE0)),
+                CHEAT: StageAnnouncement(stage=0, **fields(CHEAT)),
+            },
+            1: {STAGE1: StageAnnouncement(stage=1, **fields(STAGE1, "offline"))},
+        },
+        verifiers={VERIFIER: VerifierAnnouncement(boundaries=[0], **fields(VERIFIER))},
+        trainers={TRAINER: TrainerAnnouncement(global_step=0, **fields(TRAINER))},
+        excluded={CHEAT: Exclusion(CHEAT, (strike(CHEAT),))},
+    )
+
+
+def test_roles_are_read_from_the_view():
+    swarm = view()
+    assert live_trainer(swarm, TRAINER) and not live_trainer(swarm, STAGE0)
+    assert live_verifier(swarm, VERIFIER, 0) and not live_verifier(swarm, VERIFIER, 1)
+    assert stage_of(swarm, STAGE0) == 0
+    assert stage_of(swarm, STAGE1) is None  # offline
+    assert stage_of(swarm, CHEAT) is None  # excluded
+
+
+class FixedViews:
+    """A ViewKeeper that never changes and counts how often it is asked to refresh."""
+
+    def __init__(self, swarm: SwarmView) -> None:
+        self.view, self.refreshes = swarm, 0
+
+    async def refresh(self, force: bool = False) -> SwarmView:
+        self.refreshes += 1
+        return self.view
+
+
+def test_gatekeeper_admits_refuses_and_bans():
+    views = FixedViews(view())
+    gate = Gatekeeper(views)
+
+    async def admit(caller: str) -> None:
+        await gate.require(caller, lambda v: live_verifier(v, caller, 0), "only verifiers of boundary 0")
+
+    asyncio.run(admit(VERIFIER))
+    assert views.refreshes == 0  # a known caller costs no DHT read
+    with pytest.raises(HopRefused, match=f"only verifiers of boundary 0; the caller {STAGE0} is not one"):
+        asyncio.run(admit(STAGE0))
+    assert views.refreshes == 1  # an unknown caller gets one fresh look (it may have just joined)
+    with pytest.raises(HopBanned, match="is excluded from the swarm"):
+        asyncio.run(admit(CHEAT))
+
+
+def test_candidates_skip_excluded_and_try_suspended_peers_last():
+    blacklist = LivenessBlacklist()
+    blacklist.register_failure(STAGE0)
+    hop = Hop(peer_id=STAGE0, alternates=[CHEAT, OUTSIDER])
+    assert order_candidates(hop, view(), blacklist) == [OUTSIDER, STAGE0]
+    assert order_candidates(hop, view(), blacklist, skip=lambda p: p == OUTSIDER) == [STAGE0]
+
+
+def test_accounting_settles_each_microbatch_exactly_once():
+    accounting = Accounting()
+    for name in ("0.0", "0.1", "0.2"):
+        accounting.start(name)
+    assert not accounting.consistent and accounting.in_flight == 3
+    accounting.retried += 2
+    accounting.settle("0.0", "succeeded")
+    accounting.settle("0.1", "dropped")
+    accounting.settle("0.2", "failed")
+    assert accounting.consistent
+    assert accounting.as_dict() == {
+        "sent": 3,
+        "succeeded": 1,
+        "dropped": 1,
+        "failed": 1,
+        "retried": 2,
+        "in_flight": 0,
+        "consistent": True,
+    }
+    with pytest.raises(AccountingError):
+        accounting.settle("0.0", "succeeded")
+    with pytest.raises(AccountingError):
+        accounting.start("0.1")
+
+
+def test_attack_options_build_what_a_stage_can_send():
+    config = load_config("configs/demo.yaml")
+    middle = AttackOptions(name="scale", target="both", start=5).build(config, 1, seed=0)
+    assert sorted(middle) == ["activation", "gradient"] and middle["activation"].start == 5
+    assert sorted(AttackOptions(name="random").build(config, 0, seed=0)) == ["activation"]
+    assert sorted(AttackOptions(name="random").build(config, 2, seed=0)) == ["gradient"]
+    with pytest.raises(AttackError, match="stage 0 sends no gradient"):
+        AttackOptions(name="random", target="gradient").build(config, 0, seed=0)
+    with pytest.raises(AttackError, match="exactly one of"):
+        AttackOptions().build(config, 1, seed=0)
+    with pytest.raises(AttackError, match="unknown attack"):
+        AttackOptions(name="nonsense").build(config, 1, seed=0)
+
+
+def test_malformed_reasons_are_told_from_statistical_flags():
+    assert is_malformed("non-finite values") and is_malformed("dtype torch.float16 instead of torch.float32")
+    assert not is_malformed("metric:l2,wasserstein") and not is_malformed("drift") and not is_malformed(None)
+
+
+class SlowStore:
+    def __init__(self) -> None:
+        self.puts: list[StrikeRecord] = []
+        self.gate = threading.Event()
+
+    def put(self, record: StrikeRecord, ttl: float) -> bool:
+        self.gate.wait(5)
+        self.puts.append(record)
+        return True
+
+
+def test_strike_publisher_writes_the_latest_record_per_peer():
+    store = SlowStore()
+    publisher = StrikePublisher(store, ttl=60.0)
+    first = strike(STAGE0)
+    publisher.submit(first)
+    time.sleep(0.1)  # the thread is now blocked in the first put
+    for strikes in (1, 2, 3):
+        publisher.submit(StrikeRecord(**{**first.dict(), "strikes": strikes}))
+    store.gate.set()
+    publisher.stop()
+    assert [r.strikes for r in store.puts] == [3, 3]  # the first write, then only the newest of those queued
+
+
+def test_join_stage_needs_a_stage_and_a_valid_attack():
+    result = CliRunner().invoke(main, ["join", "--role", "stage"])
+    assert result.exit_code == 2 and "--role stage needs --stage K" in result.output
+    result = CliRunner().invoke(main, ["join", "--role", "verifier", "--boundaries", "zero"])
+    assert result.exit_code == 2 and "integers, e.g. --boundaries 0,1" in result.output
