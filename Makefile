@@ -20,7 +20,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/sentinel-node demo
+	$(BIN)/sentinel-node simulate --attack constant
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
