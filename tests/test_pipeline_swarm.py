@@ -86,7 +86,8 @@ def test_attacker_is_excluded_swarm_wide_and_training_goes_on(demo):
     assert summary["steps"] == STEPS
     assert summary["loss_fell"] and summary["last_val_loss"] < summary["first_val_loss"] - 0.5
     after_exclusion = [s for s in demo.steps if demo.attacker in s["excluded"]]
-    assert after_exclusion and after_exclusion[0]["step"] < ATTACK_START + 6  # banned within a few steps
+    # warm-up ends about when the attack starts; each verifier then needs 3 flags: within a few steps
+    assert after_exclusion and after_exclusion[0]["step"] < ATTACK_START + 10
     assert all(s["loss"] is not None and s["microbatches"] >= 3 for s in after_exclusion[1:])
 
 
