@@ -20,10 +20,13 @@ class EmaBaseline:
         self.updates += 1
 
     def replacement(self, shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
-        """A tensor of `shape` whose channels have the baseline's mean and spread (the "clean bowl")."""
+        """A tensor of `shape` whose channels have the baseline's mean and spread (the "clean bowl").
+
+        The profile's channel statistics are of the tensor divided by its RMS; `log_rms` brings back its magnitude.
+        """
         if self.reference is None:
             return torch.zeros(shape, dtype=dtype)
         mean, rms = self.reference.mean, self.reference.rms
         std = (rms.square() - mean.square()).clamp_min(0).sqrt()
         noise = torch.randn(shape, generator=generator)
-        return (mean + std * noise).to(dtype)
+        return ((mean + std * noise) * self.reference.log_rms.exp()).to(dtype)

@@ -1,0 +1,533 @@
+"""SENTINEL's verification core (DESIGN.md section 3) on real boundary tensors of a tiny model training on real text.
+
+The honest streams are the activations and the gradients crossing the boundary of a two-stage tiny Llama that
+trains with AdamW on the embedded corpus; the attacks are those of the catalogue. Nothing under test is mocked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from sentinel_node import attacks
+from sentinel_node.config import load_config
+from sentinel_node.model import build_stage, load_corpus
+from sentinel_node.model.corpus import sample_batch
+from sentinel_node.verification import (
+    METRICS,
+    AdaptiveThreshold,
+    BoundaryMonitor,
+    DriftTest,
+    EmaBaseline,
+    MonitorSettings,
+    Profile,
+    Profiler,
+    StrikeLedger,
+)
+
+HIDDEN = 32
+SHAPE = (8, 64, HIDDEN)
+WARMUP = 40
+PRETRAIN_STEPS = 60  # past the first steep steps of the loss, where every statistic of a boundary moves fast
+STREAM_STEPS = 200
+
+
+@dataclass(frozen=True)
+class HonestStreams:
+    activations: list[torch.Tensor]
+    gradients: list[torch.Tensor]
+    losses: list[float]
+
+    def of(self, direction: str) -> list[torch.Tensor]:
+        return self.activations if direction == "activation" else self.gradients
+
+
+def _train_step(stages, optimizer, corpus, rng) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One AdamW step of the two-stage model; returns the boundary activation, its gradient and the loss."""
+    first, last = stages
+    inputs, targets = sample_batch(corpus.train, SHAPE[0], SHAPE[1], rng)
+    hidden = first(inputs)
+    received = hidden.detach().requires_grad_(True)
+    loss = last.loss(last(received), targets)
+    loss.backward()
+    hidden.backward(received.grad)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return hidden.detach().clone(), received.grad.detach().clone(), float(loss.detach())
+
+
+@pytest.fixture(scope="module")
+def streams() -> HonestStreams:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = load_config().with_overrides(
+        model=dict(hidden_size=HIDDEN, intermediate_size=86, n_layers=2), pipeline=dict(n_stages=2)
+    )
+    corpus = load_corpus(max_bytes=2**20)
+    stages = (build_stage(cfg.model, 0, 2), build_stage(cfg.model, 1, 2))
+    params = [p for stage in stages for p in stage.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    rng = np.random.default_rng(0)
+    for step in range(PRETRAIN_STEPS):
+        optimizer.param_groups[0]["lr"] = 1e-3 * min(1.0, (step + 1) / 20)
+        _train_step(stages, optimizer, corpus, rng)
+    optimizer.param_groups[0]["lr"] = 2e-4
+    recorded = [_train_step(stages, optimizer, corpus, rng) for _ in range(STREAM_STEPS)]
+    activations, gradients, losses = (list(column) for column in zip(*recorded, strict=True))
+    return HonestStreams(activations, gradients, losses)
+
+
+def settings(direction: str = "activation", **overrides) -> MonitorSettings:
+    base = load_config().verification.monitor_settings(direction, seed=0)
+    return dataclasses.replace(base, **{"warmup": WARMUP, **overrides})
+
+
+def warmed_monitor(streams: HonestStreams, direction: str = "activation", **overrides) -> BoundaryMonitor:
+    """A monitor that has accepted the first WARMUP honest tensors of the stream (and is out of warm-up)."""
+    monitor = BoundaryMonitor(settings(direction, **overrides), HIDDEN, expected_shape=SHAPE)
+    for tensor in streams.of(direction)[:WARMUP]:
+        assert not monitor.check(tensor, "honest").flagged
+    assert not monitor.warming_up
+    return monitor
+
+
+def snapshot(monitor: BoundaryMonitor) -> tuple:
+    """Everything a check may learn from: the EMA profile, its update count and the metrics' score windows."""
+    reference = tuple(field.clone() for field in monitor.baseline.reference.fields())
+    windows = {name: list(threshold.scores) for name, threshold in monitor.thresholds.items()}
+    return reference, monitor.baseline.updates, monitor.accepted, windows
+
+
+def same_snapshot(before: tuple, after: tuple) -> bool:
+    reference_before, *rest_before = before
+    reference_after, *rest_after = after
+    same_reference = all(torch.equal(a, b) for a, b in zip(reference_before, reference_after, strict=True))
+    return same_reference and rest_before == rest_after
+
+
+# --- profile -------------------------------------------------------------------------------------------------------
+
+
+def make_profiler(seed: int = 0) -> Profiler:
+    s = settings()
+    return Profiler(HIDDEN, s.n_projections, s.n_quantiles, s.spectral_rank, seed, s.row_clip)
+
+
+def profiles_close(a: Profile, b: Profile, atol: float = 1e-5) -> bool:
+    return all(torch.allclose(x, y, atol=atol, rtol=1e-4) for x, y in zip(a.fields(), b.fields(), strict=True))
+
+
+def test_profiler_is_deterministic_for_a_seed(streams):
+    tensor = streams.activations[0]
+    first, second = make_profiler(seed=7)(tensor), make_profiler(seed=7)(tensor)
+    assert all(torch.equal(a, b) for a, b in zip(first.fields(), second.fields(), strict=True))
+    other = make_profiler(seed=8)(tensor)
+    assert not torch.allclose(first.quantiles, other.quantiles)
+
+
+@pytest.mark.parametrize("direction", ["activation", "gradient"])
+def test_profile_does_not_depend_on_token_order(streams, direction):
+    tensor = streams.of(direction)[5]
+    rows = tensor.reshape(-1, HIDDEN)
+    permuted = rows[torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(1))].reshape(SHAPE)
+    assert not torch.equal(permuted, tensor)
+    profiler = make_profiler()
+    assert profiles_close(profiler(tensor), profiler(permuted))
+
+
+def test_profile_is_scale_free_but_for_its_log_rms(streams):
+    tensor = streams.activations[3]
+    profiler = make_profiler()
+    plain, scaled = profiler(tensor), profiler(tensor * 8.0)
+    for a, b in zip(plain.fields()[:-1], scaled.fields()[:-1], strict=True):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-3)
+    assert float(scaled.log_rms - plain.log_rms) == pytest.approx(math.log(8.0), abs=1e-4)
+
+
+# --- metrics -------------------------------------------------------------------------------------------------------
+
+
+def honest_reference(stream: list[torch.Tensor], beta: float) -> Profile:
+    baseline, profiler = EmaBaseline(beta), make_profiler()
+    for tensor in stream[:WARMUP]:
+        baseline.update(profiler(tensor))
+    return baseline.reference
+
+
+def honest_and_attacked_score(
+    streams: HonestStreams, direction: str, metric: str, attack: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[float, float]:
+    """The largest score of ten fresh honest tensors against the EMA of the earlier ones, and the attacked score."""
+    stream = streams.of(direction)
+    reference = honest_reference(stream, settings(direction).beta)
+    profiler, fn = make_profiler(), METRICS[metric]
+    fresh = stream[WARMUP : WARMUP + 10]
+    honest = max(fn(profiler(tensor), reference) for tensor in fresh)
+    return honest, fn(profiler(attack(fresh[0])), reference)
+
+
+ATTACK_FOR_METRIC = [
+    ("norm", "activation", "zeros", lambda x: attacks.constant(x, 0, {})),
+    ("norm", "gradient", "zeros", lambda x: attacks.constant(x, 0, {})),
+    ("norm", "activation", "rescaled x10", lambda x: attacks.scale(x, 0, {}, sigma=10.0)),
+    ("norm", "gradient", "rescaled x0.1", lambda x: attacks.scale(x, 0, {}, sigma=0.1)),
+    ("scale", "activation", "noise of one scale", lambda x: attacks.random_noise(x, 0, {"seed": 1})),
+    ("scale", "gradient", "zeros", lambda x: attacks.constant(x, 0, {})),
+    ("sign_flip", "activation", "sign inversion", lambda x: attacks.scale(x, 0, {}, sigma=-1.0)),
+    ("spectral", "activation", "random signs", lambda x: attacks.sign_flip(x, 0, {"seed": 1})),
+    ("spectral", "gradient", "random signs", lambda x: attacks.sign_flip(x, 0, {"seed": 1})),
+    ("l1", "activation", "bias", lambda x: attacks.bias(x, 0, {})),
+    ("l1", "gradient", "bias", lambda x: attacks.bias(x, 0, {})),
+    ("l2", "activation", "bias", lambda x: attacks.bias(x, 0, {})),
+    ("l2", "gradient", "bias", lambda x: attacks.bias(x, 0, {})),
+    ("wasserstein", "activation", "bias", lambda x: attacks.bias(x, 0, {})),
+    ("wasserstein", "gradient", "bias", lambda x: attacks.bias(x, 0, {})),
+]
+
+
+@pytest.mark.parametrize(
+    "metric, direction, attack",
+    [(m, d, fn) for m, d, _, fn in ATTACK_FOR_METRIC],
+    ids=[f"{m}-{d}-{name}" for m, d, name, _ in ATTACK_FOR_METRIC],
+)
+def test_metric_reacts_to_its_attack(streams, metric, direction, attack):
+    honest, attacked = honest_and_attacked_score(streams, direction, metric, attack)
+    assert attacked > 2.5 * honest, f"{metric}: attacked {attacked:.4f} vs honest up to {honest:.4f}"
+
+
+def test_metrics_are_zero_against_their_own_profile(streams):
+    profile = make_profiler()(streams.activations[0])
+    assert all(fn(profile, profile) == pytest.approx(0.0, abs=1e-6) for fn in METRICS.values())
+
+
+# --- the monitor: warm-up, flags, the baseline -----------------------------------------------------------------------
+
+
+def test_honest_streams_are_not_flagged(streams):
+    for direction in ("activation", "gradient"):
+        monitor = warmed_monitor(streams, direction)
+        verdicts = [monitor.check(tensor, "honest") for tensor in streams.of(direction)[WARMUP:]]
+        assert sum(v.flagged for v in verdicts) <= 2, [v.reason for v in verdicts if v.flagged]
+        assert not monitor.ledger.is_banned("honest")
+
+
+def test_nothing_is_flagged_during_warmup_but_malformed_tensors(streams):
+    monitor = BoundaryMonitor(settings(), HIDDEN, expected_shape=SHAPE)
+    honest = streams.activations[:10]
+    garbage = [attacks.constant(x, 0, {}) for x in honest] + [attacks.bias(x, 0, {}, offset=5.0) for x in honest]
+    for tensor in honest + garbage:
+        verdict = monitor.check(tensor, "sender")
+        assert not verdict.flagged and verdict.warming_up
+        assert verdict.tensor is tensor
+    assert monitor.accepted == len(honest) + len(garbage) < WARMUP
+    assert monitor.ledger.senders["sender"].strikes == 0
+
+
+def test_attacks_are_flagged_after_warmup(streams):
+    monitor = warmed_monitor(streams)
+    honest = streams.activations[WARMUP]
+    for attack in ("constant", "random", "scale", "sign_flip", "bias", "invisible_noise"):
+        verdict = monitor.check(attacks.CATALOGUE[attack](honest, 0, {"seed": 3}), f"attacker-{attack}")
+        assert verdict.flagged, f"{attack}: scores {verdict.scores} thresholds {verdict.thresholds}"
+        assert verdict.reason.startswith("metric:")
+        assert set(verdict.reason.removeprefix("metric:").split(",")) <= set(METRICS)
+
+
+def test_flagged_tensors_never_move_the_baseline(streams):
+    monitor = warmed_monitor(streams)
+    before = snapshot(monitor)
+    for i, tensor in enumerate(streams.activations[WARMUP : WARMUP + 5]):
+        assert monitor.check(attacks.bias(tensor, i, {}), "attacker").flagged
+    assert same_snapshot(before, snapshot(monitor))
+    assert not monitor.check(streams.activations[WARMUP + 5], "honest").flagged
+    assert not same_snapshot(before, snapshot(monitor))  # the control: an accepted tensor does move it
+
+
+MALFORMED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "nan": lambda x: x.index_put((torch.tensor([0]), torch.tensor([3]), torch.tensor([5])), torch.tensor(math.nan)),
+    "inf": lambda x: x.index_put((torch.tensor([2]), torch.tensor([0]), torch.tensor([1])), torch.tensor(math.inf)),
+    "-inf": lambda x: torch.full_like(x, -math.inf),
+    "wrong hidden size": lambda x: x[..., : HIDDEN // 2],
+    "wrong token count": lambda x: x[:, :32],
+    "float64": lambda x: x.double(),
+    "float16": lambda x: x.half(),
+}
+
+
+@pytest.mark.parametrize("kind", list(MALFORMED))
+def test_malformed_tensors_are_flagged_even_during_warmup(streams, kind):
+    monitor = BoundaryMonitor(settings(replacement="ema"), HIDDEN, expected_shape=SHAPE)
+    assert not monitor.check(streams.activations[0], "sender").flagged
+    assert monitor.warming_up
+    verdict = monitor.check(MALFORMED[kind](streams.activations[1]), "sender")
+    assert verdict.flagged and verdict.reason
+    assert verdict.sender.strikes == 1
+    assert tuple(verdict.tensor.shape) == SHAPE and verdict.tensor.dtype == torch.float32
+    assert torch.isfinite(verdict.tensor).all()
+    assert monitor.accepted == 1 and monitor.baseline.updates == 1
+
+
+@pytest.mark.parametrize("kind", list(MALFORMED))
+def test_tainted_malformed_tensors_are_replaced_without_a_strike(streams, kind):
+    monitor = warmed_monitor(streams, replacement="ema")
+    before = snapshot(monitor)
+    verdict = monitor.check(MALFORMED[kind](streams.activations[WARMUP]), "downstream", tainted=True)
+    assert not verdict.flagged and verdict.skipped
+    assert tuple(verdict.tensor.shape) == SHAPE and torch.isfinite(verdict.tensor).all()
+    assert "downstream" not in monitor.ledger.senders
+    assert same_snapshot(before, snapshot(monitor))
+
+
+def test_a_tainted_check_is_skipped_without_strike_or_learning(streams):
+    monitor = warmed_monitor(streams)
+    before = snapshot(monitor)
+    for tensor in streams.activations[WARMUP : WARMUP + 3]:
+        for sent in (tensor, attacks.constant(tensor, 0, {}), attacks.bias(tensor, 0, {})):
+            verdict = monitor.check(sent, "downstream", tainted=True)
+            assert not verdict.flagged and verdict.skipped and verdict.tensor is sent
+    assert "downstream" not in monitor.ledger.senders
+    assert same_snapshot(before, snapshot(monitor))
+
+
+# --- replacement ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direction", ["activation", "gradient"])
+def test_ema_replacement_looks_like_the_honest_traffic(streams, direction):
+    monitor = warmed_monitor(streams, direction, replacement="ema")
+    honest = torch.stack(streams.of(direction)[:WARMUP])
+    verdict = monitor.check(torch.zeros(SHAPE), "attacker")
+    assert verdict.flagged
+    replacement = verdict.tensor
+    assert tuple(replacement.shape) == SHAPE and replacement.dtype == torch.float32
+    assert torch.isfinite(replacement).all()
+    # scale-free: its profile sits on the baseline
+    reference = monitor.baseline.reference
+    profile = monitor.profiler(replacement)
+    assert torch.allclose(profile.mean, reference.mean, atol=0.15)
+    # and in the traffic's own units: the magnitude and the channel means of honest tensors
+    honest_rms = float(honest.square().mean().sqrt())
+    assert float(replacement.square().mean().sqrt()) == pytest.approx(honest_rms, rel=0.5)
+    honest_means, replaced_means = honest.mean(dim=(0, 1, 2)), replacement.mean(dim=(0, 1))
+    assert float((replaced_means - honest_means).abs().max()) < 0.25 * honest_rms
+
+
+def test_zero_and_drop_replacements(streams):
+    zero = warmed_monitor(streams, replacement="zero").check(torch.zeros(SHAPE), "attacker")
+    assert zero.flagged and tuple(zero.tensor.shape) == SHAPE and not zero.tensor.any()
+    drop = warmed_monitor(streams, replacement="drop").check(attacks.bias(streams.activations[WARMUP], 0, {}), "a")
+    assert drop.flagged and drop.tensor is None and drop.tainted
+
+
+def test_replacement_without_expected_shape_takes_the_inputs_with_the_hidden_size(streams):
+    monitor = BoundaryMonitor(settings(replacement="zero"), HIDDEN)
+    verdict = monitor.check(torch.ones(4, 16, HIDDEN // 2), "sender")
+    assert verdict.flagged and tuple(verdict.tensor.shape) == (4, 16, HIDDEN)
+
+
+def test_an_unknown_replacement_policy_is_rejected():
+    with pytest.raises(ValueError, match="replacement must be one of"):
+        BoundaryMonitor(settings(replacement="median"), HIDDEN)
+
+
+# --- strikes, forgiveness, bans ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strike_limit", [3, 5])
+def test_a_persistent_attacker_is_banned_at_exactly_the_strike_limit(streams, strike_limit):
+    monitor = warmed_monitor(streams, strike_limit=strike_limit)
+    banned_after = []
+    for i, tensor in enumerate(streams.activations[WARMUP : WARMUP + strike_limit + 2]):
+        verdict = monitor.check(attacks.constant(tensor, i, {}), "attacker")
+        assert verdict.flagged
+        assert verdict.sender.strikes == min(i + 1, strike_limit)
+        banned_after.append(verdict.banned)
+    assert banned_after.index(True) == strike_limit - 1
+    assert all(banned_after[strike_limit - 1 :])
+    assert monitor.ledger.banned() == ["attacker"]
+
+
+def glitching_sender(streams: HonestStreams, every: int, **overrides) -> BoundaryMonitor:
+    """An honest sender whose every `every`-th tensor after warm-up carries one NaN."""
+    monitor = warmed_monitor(streams, **overrides)
+    for i, tensor in enumerate(streams.activations[WARMUP:], start=1):
+        sent = MALFORMED["nan"](tensor) if i % every == 0 else tensor
+        monitor.check(sent, "honest")
+    return monitor
+
+
+def test_an_honest_sender_with_a_rare_glitch_is_forgiven(streams):
+    strike_limit, every = 3, 50
+    checks_after_warmup = len(streams.activations) - WARMUP
+    assert checks_after_warmup // every >= strike_limit  # enough glitches to ban, without forgiveness
+    forgiving = glitching_sender(streams, every, strike_limit=strike_limit, forgive_after=every - 10)
+    record = forgiving.ledger.senders["honest"]
+    assert record.flags >= strike_limit and not record.banned and record.strikes <= 1
+    # the control: the same glitches without forgiveness ban
+    unforgiving = glitching_sender(streams, every, strike_limit=strike_limit, forgive_after=10**6)
+    assert unforgiving.ledger.is_banned("honest")
+
+
+def test_ledger_forgives_one_strike_after_f_clean_checks():
+    ledger = StrikeLedger(strike_limit=3, forgive_after=10)
+    ledger.record("peer", True)
+    ledger.record("peer", True)
+    for _ in range(9):
+        assert ledger.record("peer", False).strikes == 2
+    assert ledger.record("peer", False).strikes == 1
+    for _ in range(9):
+        assert ledger.record("peer", False).strikes == 1
+    assert ledger.record("peer", False).strikes == 0
+    assert ledger.record("peer", False).strikes == 0  # never below zero
+    record = ledger.senders["peer"]
+    assert (record.checks, record.flags, record.banned) == (23, 2, False)
+
+
+def test_ledger_a_flag_restarts_the_clean_streak():
+    ledger = StrikeLedger(strike_limit=3, forgive_after=10)
+    ledger.record("peer", True)
+    for _ in range(9):
+        ledger.record("peer", False)
+    assert ledger.record("peer", True).strikes == 2
+    for _ in range(9):
+        ledger.record("peer", False)
+    assert ledger.senders["peer"].strikes == 2
+    assert ledger.record("peer", False).strikes == 1
+
+
+def test_ledger_bans_at_the_limit_and_a_ban_is_final():
+    ledger = StrikeLedger(strike_limit=3, forgive_after=2)
+    assert [ledger.record("bad", True).banned for _ in range(3)] == [False, False, True]
+    for _ in range(10):
+        ledger.record("bad", False)
+    assert ledger.is_banned("bad") and ledger.senders["bad"].strikes == 3
+    assert ledger.record("bad", True).strikes == 3  # strikes stop counting once banned
+    assert not ledger.is_banned("never-seen")
+    assert ledger.banned() == ["bad"]
+
+
+def test_ledger_keeps_senders_apart():
+    ledger = StrikeLedger(strike_limit=2, forgive_after=5)
+    ledger.record("a", True)
+    ledger.record("b", False)
+    ledger.record("a", True)
+    assert ledger.is_banned("a") and not ledger.is_banned("b")
+    assert ledger.senders["b"].strikes == 0
+
+
+# --- adaptive thresholds -------------------------------------------------------------------------------------------
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """Q1, median, Q3 with linear interpolation between order statistics (numpy's default rule)."""
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, median, q3
+
+
+@pytest.mark.parametrize("space", ["relative_log", "linear"])
+def test_threshold_is_infinite_before_four_scores(space):
+    threshold = AdaptiveThreshold(window=16, k=3.0, floor=0.01, space=space)
+    for score in (0.1, 0.2, 0.3):
+        assert threshold.threshold() == math.inf
+        assert threshold.severity(100.0) == 0.0
+        threshold.accept(score)
+    assert threshold.threshold() == math.inf
+    threshold.accept(0.4)
+    assert math.isfinite(threshold.threshold())
+
+
+def test_linear_threshold_is_the_tukey_fence_of_known_data():
+    threshold = AdaptiveThreshold(window=16, k=1.5, floor=0.0, space="linear")
+    for score in range(1, 10):  # 1..9: Q1 = 3, Q3 = 7
+        threshold.accept(float(score))
+    assert threshold.threshold() == pytest.approx(7 + 1.5 * (7 - 3))
+
+
+def test_relative_log_threshold_is_the_tukey_fence_in_log_space():
+    rng = random.Random(4)
+    scores = [rng.lognormvariate(-2.0, 0.5) for _ in range(51)]
+    threshold = AdaptiveThreshold(window=64, k=3.0, floor=1e-6, space="relative_log")
+    for score in scores:
+        threshold.accept(score)
+    median = statistics.median(scores)
+    q1, _, q3 = quartiles([math.log1p(s / median) for s in scores])
+    assert threshold.threshold() == pytest.approx(median * math.expm1(q3 + 3.0 * (q3 - q1)), rel=1e-9)
+    assert threshold.threshold() > max(scores)
+
+
+def test_threshold_keeps_only_the_last_window_of_scores():
+    threshold = AdaptiveThreshold(window=9, k=1.5, floor=0.0, space="linear")
+    for score in [100.0] * 9 + [float(s) for s in range(1, 10)]:
+        threshold.accept(score)
+    assert threshold.threshold() == pytest.approx(13.0)
+
+
+@pytest.mark.parametrize("space", ["relative_log", "linear"])
+def test_threshold_respects_its_floor(space):
+    flat = AdaptiveThreshold(window=32, k=3.0, floor=0.05, space=space)
+    for _ in range(20):
+        flat.accept(0.0)
+    assert flat.threshold() == pytest.approx(0.05)
+    tight = AdaptiveThreshold(window=32, k=3.0, floor=0.05, space=space)
+    for i in range(20):
+        tight.accept(0.001 + 1e-5 * i)
+    assert tight.threshold() == pytest.approx(0.05)
+    wide = AdaptiveThreshold(window=32, k=3.0, floor=0.05, space=space)
+    for i in range(20):
+        wide.accept(0.1 * (i + 1))
+    assert wide.threshold() > 0.05 * 10
+
+
+@pytest.mark.parametrize("space", ["relative_log", "linear"])
+def test_severity_is_zero_at_the_median_and_one_at_the_threshold(space):
+    rng = random.Random(5)
+    scores = [rng.uniform(0.05, 0.3) for _ in range(41)]
+    threshold = AdaptiveThreshold(window=64, k=3.0, floor=0.01, space=space)
+    for score in scores:
+        threshold.accept(score)
+    assert threshold.severity(statistics.median(scores)) == pytest.approx(0.0, abs=1e-9)
+    assert threshold.severity(threshold.threshold()) == pytest.approx(1.0, abs=1e-9)
+    assert threshold.severity(min(scores)) < 0 < threshold.severity(max(scores)) < 1
+
+
+def test_an_unknown_fence_space_is_rejected():
+    with pytest.raises(ValueError, match="fence space"):
+        AdaptiveThreshold(window=8, k=3.0, floor=0.0, space="log")
+
+
+# --- the drift test ------------------------------------------------------------------------------------------------
+
+
+def test_drift_flags_a_sender_that_stays_above_the_limit_for_a_window():
+    drift = DriftTest(window=16, limit=0.5)
+    verdicts = [drift.observe("hugger", 0.8) for _ in range(32)]
+    assert [i for i, flagged in enumerate(verdicts) if flagged] == [15, 31]  # one flag per full window
+
+
+def test_drift_does_not_flag_a_sender_scattered_around_zero():
+    drift = DriftTest(window=16, limit=0.5)
+    rng = random.Random(6)
+    assert not any(drift.observe("honest", rng.gauss(0.0, 0.4)) for _ in range(2000))
+
+
+def test_drift_keeps_senders_apart_and_caps_one_absurd_severity():
+    drift = DriftTest(window=16, limit=0.5)
+    flagged = {"hugger": 0, "honest": 0}
+    for i in range(64):
+        flagged["hugger"] += drift.observe("hugger", 0.7)
+        flagged["honest"] += drift.observe("honest", 1000.0 if i == 20 else 0.0)
+    assert flagged == {"hugger": 4, "honest": 0}
+
+
+def test_drift_with_an_empty_window_is_disabled():
+    drift = DriftTest(window=0, limit=0.5)
+    assert not drift.enabled
+    assert not any(drift.observe("hugger", 2.0) for _ in range(100))
