@@ -191,8 +191,11 @@ class StageNode:
         self.averaging: asyncio.Task | None = None
         self.averaged_with: list[str] = []
         self._averaged: list[torch.Tensor] | None = None  # the snapshot of a finished round, until applied
-        self._compute_s = 0.0
+        self._cpu_s = 0.0  # CPU time of this replica's torch work (its compute lane's thread)
+        self._reported = (0, 0.0)  # microbatches and CPU time at the last throughput report
         self._throughput = 0.0
+        self.forward_cpu_s = 0.0  # of training forwards alone: what a verifier's check is weighed against
+        self.forwards = 0
 
     # --- lifecycle
 
@@ -208,6 +211,7 @@ class StageNode:
         await server.add_handler(STAGE_STEP, self._step, StepRequest, authorize=self._admit_step, expect=[])
         if self.averager is not None:
             self.views.listeners.append(lambda view: self.averager.set_excluded(view.excluded))
+        self._throughput = await self.lane.run(self._benchmark)
         announcer = Announcer(
             context.store, self._announcement(), self.config.swarm.announce_period, self.config.swarm.announce_ttl
         ).start()
@@ -237,7 +241,7 @@ class StageNode:
             maddrs=self.context.maddrs,
             state="online",
             relayed=False,
-            throughput=0.0,
+            throughput=float(self._throughput),
             stage=self.stage,
             config_hash=self.config.swarm_hash(),
             version=software_version(),
@@ -245,12 +249,35 @@ class StageNode:
         )
 
     def _report(self, announcer: Announcer) -> None:
-        if self._compute_s > 0:
-            # tokens per second of this replica's own compute: what the trainer weighs routes by
-            served = self.stats["served"] + self.stats["evaluated"]
-            self._throughput = float(served * self.shapes.tokens_per_microbatch / self._compute_s)
-            announcer.update(throughput=self._throughput)
+        """Announces tokens per CPU second of this replica's compute (what trainers weigh routes by), followed as
+        an average over report periods with some work in them."""
+        done = self.stats["served"] + self.stats["evaluated"] + self.stats["dropped"]
+        microbatches, cpu_s = done - self._reported[0], self._cpu_s - self._reported[1]
+        if microbatches >= 2 and cpu_s > 0:
+            measured = microbatches * self.shapes.tokens_per_microbatch / cpu_s
+            self._throughput = 0.7 * self._throughput + 0.3 * measured
+            self._reported = (done, self._cpu_s)
+            announcer.update(throughput=float(self._throughput))
         self._write_status()
+
+    def _benchmark(self, rounds: int = 3) -> float:
+        """Tokens per CPU second of forward and backward on random microbatches, the first (warm-up) not counted:
+        a replica starts with a fair share of traffic instead of the share its slow first microbatch would earn."""
+        shape = (self.shapes.batch, self.shapes.seq_len)
+        inputs = (
+            torch.randint(0, self.shapes.vocab, shape)
+            if self.worker.is_first
+            else torch.randn(*shape, self.shapes.hidden)
+        )
+        module, timed = self.worker.module, 0.0
+        for index in range(rounds + 1):
+            started = time.thread_time()
+            output = module(inputs)
+            output.float().square().mean().backward()
+            if index:
+                timed += time.thread_time() - started
+        module.zero_grad(set_to_none=True)
+        return rounds * self.shapes.tokens_per_microbatch / max(timed, 1e-6)
 
     def _write_status(self) -> None:
         write_status(
@@ -264,6 +291,8 @@ class StageNode:
                 "averaging_rounds": self.averager.rounds if self.averager else 0,
                 "averaged_with": self.averaged_with,
                 "throughput": self._throughput,
+                "forward_cpu_ms": 1000 * self.forward_cpu_s / self.forwards if self.forwards else None,
+                "compute_cpu_s": self._cpu_s,
                 "time": time.time(),
                 **self.stats,
                 **view_summary(self.views.view),
@@ -366,11 +395,14 @@ class StageNode:
     # --- torch work, in the compute lane
 
     async def _compute(self, fn: Callable, *args):
-        started = time.perf_counter()
+        return await self.lane.run(self._timed, fn, *args)
+
+    def _timed(self, fn: Callable, *args):
+        started = time.thread_time()
         try:
-            return await self.lane.run(fn, *args)
+            return fn(*args)
         finally:
-            self._compute_s += time.perf_counter() - started
+            self._cpu_s += time.thread_time() - started
 
     def _send(self, direction: str, tensor: torch.Tensor, step: int) -> torch.Tensor:
         attacker = self.attackers.get(direction)
@@ -381,7 +413,11 @@ class StageNode:
         return sent
 
     def _forward_and_send(self, key: str, inputs: torch.Tensor, step: int) -> torch.Tensor:
-        return self._send("activation", self.worker.forward(key, inputs), step)
+        started = time.thread_time()
+        output = self.worker.forward(key, inputs)
+        self.forward_cpu_s += time.thread_time() - started
+        self.forwards += 1
+        return self._send("activation", output, step)
 
     def _backward_and_send(self, key: str, grad_output: torch.Tensor, step: int) -> torch.Tensor | None:
         grad_input = self.worker.backward(key, grad_output)
