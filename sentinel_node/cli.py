@@ -107,6 +107,13 @@ def _pipeline_options(command):
             show_default=True,
             help="trainer: seconds a microbatch may take along its whole route.",
         ),
+        click.option(
+            "--start-step",
+            type=click.IntRange(min=0),
+            help="trainer: first global step (default: resume the swarm's).",
+        ),
+        click.option("--only-verifiers", multiple=True, help="trainer: route through these verifiers only (benches)."),
+        click.option("--duplicate", is_flag=True, help="trainer: compute each microbatch on two replicas (baseline)."),
         click.option("--metrics-out", type=click.Path(dir_okay=False), help="trainer: append JSON lines per step."),
         click.option("--progress/--no-progress", default=None, help="trainer: progress bar (default: on a terminal)."),
         click.option("--status-file", type=click.Path(dir_okay=False), help="Keep this node's view in a JSON file."),
@@ -157,6 +164,9 @@ def _role_settings(role: str, opts: dict) -> dict:
             metrics_out=opts["metrics_out"],
             status_file=opts["status_file"],
             progress=progress,
+            start_step=opts["start_step"],
+            only_verifiers=tuple(p for value in opts["only_verifiers"] for p in value.replace(",", " ").split()),
+            duplicate=opts["duplicate"],
         )
         return {"settings": settings}
     return {}

@@ -411,7 +411,7 @@ class Demo:
         )
         self.swarm.wait_ready([trainer], self.settings.start_timeout)
         self.echo(f"{'step':>4} {'loss':>7} {'val':>7} {'tok/s':>7} {'flags':>5} {'strikes':>7}  excluded")
-        for record in _follow(metrics, trainer):
+        for record in follow_json_lines(metrics, trainer):
             if record.get("event") == "validation":
                 self.echo(f"{'-':>4} {'':>7} {record['val_loss']:7.3f}  (before training)")
             elif record.get("event") == "step":
@@ -539,7 +539,7 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def _follow(path: Path, node: NodeProcess, poll: float = 0.2) -> Iterator[dict]:
+def follow_json_lines(path: Path, node: NodeProcess, poll: float = 0.2) -> Iterator[dict]:
     """The JSON lines appended to ``path`` until ``node`` exits (and the rest after it did)."""
     position = 0
     while True:

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from sentinel_node import demo as demo_module
 from sentinel_node.cli import main
-from sentinel_node.demo import DemoResult, DemoSettings, LocalSwarm, _follow, render_summary
+from sentinel_node.demo import DemoResult, DemoSettings, LocalSwarm, follow_json_lines, render_summary
 
 SUMMARY = {
     "steps": 40,
@@ -78,7 +78,7 @@ class Finished:
 def test_follow_yields_whole_json_lines_only(tmp_path: Path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2')  # the last line is still being written
-    assert list(_follow(path, Finished())) == [{"step": 0}, {"step": 1}]
+    assert list(follow_json_lines(path, Finished())) == [{"step": 0}, {"step": 1}]
 
 
 @pytest.mark.slow

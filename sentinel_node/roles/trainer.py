@@ -59,7 +59,7 @@ from sentinel_node.roles.runtime import (
     wait_for_stop,
     write_status,
 )
-from sentinel_node.transport import Hop, HopError, call_first_available, call_peer
+from sentinel_node.transport import Hop, HopError, Reply, call_first_available, call_peer
 
 logger = get_logger(__name__)
 
@@ -80,6 +80,9 @@ class TrainerOptions:
     metrics_out: str | None = None  # JSON lines: one per step, then a summary
     status_file: str | None = None
     progress: bool = False
+    start_step: int | None = None  # None: resume from the highest global step a trainer announced
+    only_verifiers: tuple[str, ...] = ()  # route through these verifiers only (benchmarks)
+    duplicate: bool = False  # the baseline SENTINEL replaces: every microbatch computed by two replicas, compared
 
 
 _AVOID_CODES = frozenset({"unavailable", "deadline", "overloaded", "internal"})
@@ -155,6 +158,7 @@ class StepLog:
     excluded: list[str]
     accounting: dict
     wall_s: float
+    step_s: float = 0.0  # this step's time: its microbatches and the step calls, not validation
 
 
 @dataclass
@@ -167,6 +171,8 @@ class TrainerSummary:
     accounting: dict
     excluded: list[str]
     wall_s: float
+    first_step: int = 0
+    duplicate_loss_gap: float | None = None  # duplicate mode: mean |loss_a - loss_b| of the two computations
 
     @property
     def first_val_loss(self) -> float | None:
@@ -221,7 +227,9 @@ class TrainerNode:
         self.val_curve: list[tuple[int, float]] = []
         self.tokens = 0
         self.train_s = 0.0
-        self.step = 0
+        self.step = 0  # the next global step
+        self.first_step = 0
+        self.duplicate_gaps: list[float] = []
         self.p2p: P2P | None = None
         self.announcer: Announcer | None = None
         self._started = time.monotonic()
@@ -272,8 +280,9 @@ class TrainerNode:
         return summary
 
     def summary(self) -> TrainerSummary:
+        gaps = self.duplicate_gaps
         return TrainerSummary(
-            steps=self.step,
+            steps=self.step - self.first_step,
             first_loss=self.losses[0] if self.losses else None,
             last_loss=self.losses[-1] if self.losses else None,
             val_curve=list(self.val_curve),
@@ -281,17 +290,20 @@ class TrainerNode:
             accounting=self.accounting.as_dict(),
             excluded=sorted(self.views.view.excluded),
             wall_s=time.monotonic() - self._started,
+            first_step=self.first_step,
+            duplicate_loss_gap=float(np.mean(gaps)) if gaps else None,
         )
 
     # --- the training loop
 
     async def _train(self) -> None:
         await self._wait_for_swarm()
-        await self._validate(0)
+        self.first_step = self.step = self._resume_step()
+        await self._validate(self.step)
         progress = self._progress_bar()
         try:
-            for step in itertools.count():
-                if self.settings.steps and step >= self.settings.steps:
+            for step in itertools.count(self.first_step):
+                if self.settings.steps and step >= self.first_step + self.settings.steps:
                     break
                 log = await self._global_step(step)
                 if progress is not None:
@@ -323,7 +335,7 @@ class TrainerNode:
             self.losses.append(loss)
         val_loss = None
         every = self.settings.eval_every
-        if (every and self.step % every == 0) or self.step == self.settings.steps:
+        if (every and self.step % every == 0) or self.step == self.first_step + self.settings.steps:
             val_loss = await self._validate(self.step)
         self.announcer.update(global_step=self.step, loss=loss, throughput=tokens / elapsed)
         view = self.views.view
@@ -338,6 +350,7 @@ class TrainerNode:
             excluded=sorted(view.excluded),
             accounting=self.accounting.as_dict(),
             wall_s=time.monotonic() - self._started,
+            step_s=elapsed,
         )
         logger.info(
             f"step {step}: loss {loss if loss is None else round(loss, 4)}, {log.tokens_per_s:.0f} tokens/s, "
@@ -358,42 +371,33 @@ class TrainerNode:
             self.accounting.start(name)
         outcome, loss = "failed", None
         avoid: set[str] = set()
+        copies = 2 if self.settings.duplicate and train else 1
         try:
             async with self.inflight:
                 for attempt in range(self.settings.max_attempts):
                     if attempt and train:
                         self.accounting.retried += 1
-                    hops = await self._route(avoid)
-                    if hops is None:
+                    routes = await self._routes(avoid, copies)
+                    if routes is None:
                         continue
-                    meta = PipelineRequest(
-                        deadline=time.time() + self.settings.microbatch_timeout,
-                        microbatch_id=f"{name}.{attempt}",
-                        step=step,
-                        kind="forward",
-                        route=hops[1:],
-                        train=train,
-                    )
-                    candidates = [hops[0].peer_id, *hops[0].alternates]
-                    try:
-                        reply = await call_first_available(
-                            self.p2p, candidates, STAGE_FORWARD, [inputs, targets], meta, settings=self.transport
+                    calls = [
+                        self._send(
+                            step, f"{name}.{attempt}{'ab'[i] if copies > 1 else ''}", inputs, targets, train, hops
                         )
-                    except HopError as e:
-                        failures = e.failures or [e]
-                        note_failures(self.blacklist, failures)
-                        # a peer that failed to answer is avoided; one that refused did its job (the culprit of a
-                        # refusal is the refusing peer, not the peer it refused)
-                        avoid.update(f.culprit for f in failures if f.culprit and _code(f) in _AVOID_CODES)
-                        logger.info(f"microbatch {name}: attempt {attempt + 1} failed: {e}")
-                        if _code(e) in ("refused", "banned"):
-                            # our view or theirs is behind (a peer just joined, or was just banned): catch up
-                            await asyncio.sleep(self.config.swarm.announce_period)
-                            await self.views.refresh(force=True)
+                        for i, hops in enumerate(routes)
+                    ]
+                    results = await asyncio.gather(*calls, return_exceptions=True)
+                    errors = [r for r in results if isinstance(r, BaseException)]
+                    if errors:
+                        await self._after_failure(name, attempt, errors, avoid)
                         continue
-                    note_failures(self.blacklist, reply.failures)
-                    loss = reply.metadata.loss
-                    outcome = "succeeded" if loss is not None else "dropped"
+                    losses = [r.metadata.loss for r in results]
+                    if None in losses:
+                        outcome = "dropped"
+                    else:
+                        outcome, loss = "succeeded", float(np.mean(losses))
+                        if copies > 1:
+                            self.duplicate_gaps.append(abs(losses[0] - losses[1]))
                     break
         finally:
             if train:
@@ -402,15 +406,62 @@ class TrainerNode:
             logger.warning(f"microbatch {name} failed after {self.settings.max_attempts} attempts")
         return loss
 
+    async def _send(
+        self, step: int, microbatch: str, inputs: torch.Tensor, targets: torch.Tensor, train: bool, hops: list[Hop]
+    ) -> Reply:
+        meta = PipelineRequest(
+            deadline=time.time() + self.settings.microbatch_timeout,
+            microbatch_id=microbatch,
+            step=step,
+            kind="forward",
+            route=hops[1:],
+            train=train,
+        )
+        candidates = [hops[0].peer_id, *hops[0].alternates]
+        reply = await call_first_available(
+            self.p2p, candidates, STAGE_FORWARD, [inputs, targets], meta, settings=self.transport
+        )
+        note_failures(self.blacklist, reply.failures)
+        return reply
+
+    async def _after_failure(self, name: str, attempt: int, errors: list[BaseException], avoid: set[str]) -> None:
+        for error in errors:
+            if not isinstance(error, HopError):
+                raise error
+            failures = error.failures or [error]
+            note_failures(self.blacklist, failures)
+            # a peer that failed to answer is avoided; one that refused did its job (the culprit of a refusal is
+            # the refusing peer, not the peer it refused)
+            avoid.update(f.culprit for f in failures if f.culprit and _code(f) in _AVOID_CODES)
+            logger.info(f"microbatch {name}: attempt {attempt + 1} failed: {error}")
+        if any(_code(e) in ("refused", "banned") for e in errors):
+            # our view or theirs is behind (a peer just joined, or was just banned): catch up
+            await asyncio.sleep(self.config.swarm.announce_period)
+            await self.views.refresh(force=True)
+
+    async def _routes(self, avoid: set[str], copies: int) -> list[list[Hop]] | None:
+        """``copies`` routes; duplicates go through other replicas than the first copy where the swarm has them."""
+        routes: list[list[Hop]] = []
+        taken: set[str] = set()
+        for _ in range(copies):
+            hops = await self._route(avoid | taken)
+            if hops is None:
+                return None
+            routes.append(hops)
+            taken |= {hop.peer_id for hop in hops if hop.boundary is None}
+        return routes
+
     async def _route(self, avoid: set[str]) -> list[Hop] | None:
         """The hops of a new route avoiding ``avoid`` if possible; None (after a pause) if the swarm has none."""
         view = self.views.view
+        barred = self._barred_verifiers(view)
+        avoid = avoid | barred
         try:
             try:
                 route = choose_route(view, self.route_rng, self.blacklist, avoid)
             except NoRouteError:
                 # better a peer that failed this microbatch once than none at all
-                route = choose_route(view, self.route_rng, None, ())
+                route = choose_route(view, self.route_rng, None, barred)
         except NoRouteError as e:
             logger.warning(f"no route through the swarm: {e}; waiting for peers")
             await asyncio.sleep(1.0)
@@ -431,6 +482,19 @@ class TrainerNode:
                 verifier = route.verifiers[k].peer_id
                 hops.append(Hop(peer_id=verifier, boundary=k, alternates=alternates(view.live_verifiers(k), verifier)))
         return hops
+
+    def _barred_verifiers(self, view: SwarmView) -> set[str]:
+        if not self.settings.only_verifiers:
+            return set()
+        return set(view.verifiers) - set(self.settings.only_verifiers)
+
+    def _resume_step(self) -> int:
+        """Where this trainer's step count starts: stages apply each global step once, so a trainer that joins a
+        swarm which already trained continues its count."""
+        if self.settings.start_step is not None:
+            return self.settings.start_step
+        others = [a.global_step for a in self.views.view.trainers.values() if a.peer_id != self.context.peer_id]
+        return max(others, default=0)
 
     async def _step_all(self, step: int) -> None:
         """Tells every live stage replica that global step ``step`` is complete."""
@@ -460,8 +524,8 @@ class TrainerNode:
         val_loss = float(np.mean(losses))
         self.val_curve.append((step, val_loss))
         logger.info(f"validation loss at step {step}: {val_loss:.4f} ({len(losses)}/{len(results)} batches)")
-        if step == 0:
-            self._emit({"event": "validation", "step": 0, "val_loss": val_loss})
+        if step == self.first_step:
+            self._emit({"event": "validation", "step": step, "val_loss": val_loss})
         return val_loss
 
     async def _wait_for_swarm(self) -> None:

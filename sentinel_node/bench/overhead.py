@@ -1,0 +1,174 @@
+"""``sentinel-node bench overhead``: what SENTINEL costs, measured on a local swarm.
+
+One swarm (a bootstrap, 3 stages x 2 replicas, and two verifiers serving every boundary: one checking, one a plain
+relay, ``BoundaryVerifier(enabled=False)``) trains in alternating phases, each a trainer run of a few steps that
+routes through one mode only, so every mode sees the same stages, the same machine load and the same point of
+training:
+
+- ``verified``: every activation and gradient checked by SENTINEL;
+- ``relay``: the same hops without checks (the pipeline's own cost);
+- ``duplicate``: the baseline verification replaces, every microbatch computed by two replicas and the results
+  compared (through the relay verifier).
+
+Reported: tokens/s per mode (the first step of each phase, a new trainer's warm-up, is left out), the ratios
+verified/relay and verified/duplicate, and the checking verifier's CPU time per checked tensor against the CPU
+time of the forward pass that produced it.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from sentinel_node.config import load_config
+from sentinel_node.demo import DEMO_CONFIG_PATH, LocalSwarm, follow_json_lines
+
+MODES = ("verified", "relay", "duplicate")
+TARGETS = {"verified_over_relay": 0.85, "verified_over_duplicate": 1.8}
+
+
+@dataclass(frozen=True)
+class OverheadSettings:
+    steps_per_phase: int = 8
+    rounds: int = 2
+    replicas: int = 2
+    config_path: Path = DEMO_CONFIG_PATH
+    workdir: Path | None = None
+    start_timeout: float = 150.0
+
+
+def run_overhead(
+    settings: OverheadSettings = OverheadSettings(), echo: Callable[[str], None] = lambda _: None
+) -> dict:
+    """Starts the swarm, runs ``rounds`` x (verified, relay, duplicate) phases, stops every process; the report."""
+    with tempfile.TemporaryDirectory(prefix="sentinel-bench-") as scratch:
+        workdir = Path(settings.workdir or scratch)
+        workdir.mkdir(parents=True, exist_ok=True)
+        config = load_config(settings.config_path)
+        config_path = workdir / "swarm.yaml"
+        config_path.write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
+        (workdir / "identities").mkdir(exist_ok=True, mode=0o700)
+        started = time.monotonic()
+        with LocalSwarm(workdir, config_path) as swarm:
+            bootstrap = swarm.start("bootstrap", "bootstrap")
+            swarm.wait_ready([bootstrap], settings.start_timeout)
+            nodes = [
+                swarm.start(f"stage{k}-{r}", "stage", "--stage", str(k))
+                for k in range(config.pipeline.n_stages)
+                for r in range(settings.replicas)
+            ]
+            nodes.append(swarm.start("checking", "verifier"))
+            nodes.append(swarm.start("relay", "verifier", "--no-verify"))
+            swarm.wait_ready(nodes, settings.start_timeout)
+            echo(f"swarm up in {time.monotonic() - started:.0f}s; {settings.rounds} rounds of {', '.join(MODES)}")
+            steps: dict[str, list[dict]] = {mode: [] for mode in MODES}
+            gaps: list[float] = []
+            step = 0
+            for round_ in range(settings.rounds):
+                for mode in MODES:
+                    records, summary = _phase(swarm, mode, round_, step, settings.steps_per_phase)
+                    steps[mode] += records[1:]  # the first step of a new trainer includes its warm-up
+                    step += settings.steps_per_phase
+                    if summary.get("duplicate_loss_gap") is not None:
+                        gaps.append(summary["duplicate_loss_gap"])
+                    echo(f"round {round_ + 1} {mode:>9}: {_tokens_per_s(records[1:]):7.0f} tokens/s")
+            checking = swarm.nodes["checking"].status() or {}
+            stages = {name: node.status() or {} for name, node in swarm.nodes.items() if node.role == "stage"}
+        return _report(config, settings, steps, gaps, checking, stages, time.monotonic() - started)
+
+
+def _phase(swarm: LocalSwarm, mode: str, round_: int, start_step: int, steps: int) -> tuple[list[dict], dict]:
+    name = f"trainer-{mode}-{round_}"
+    metrics = swarm.workdir / f"{name}.jsonl"
+    verifier = swarm.nodes["relay" if mode != "verified" else "checking"].peer_id
+    args = ["--steps", str(steps), "--start-step", str(start_step), "--eval-every", "0", "--no-progress"]
+    args += ["--only-verifiers", verifier, "--metrics-out", str(metrics)]
+    if mode == "duplicate":
+        args.append("--duplicate")
+    trainer = swarm.start(name, "trainer", *args)
+    swarm.wait_ready([trainer], 120)
+    records, summary = [], {}
+    for record in follow_json_lines(metrics, trainer):
+        if record.get("event") == "step":
+            records.append(record)
+        elif record.get("event") == "summary":
+            summary = record
+    if trainer.process.wait(timeout=30) != 0 or not summary:
+        raise RuntimeError(f"{name} failed; its log ends with:\n{trainer.log_tail()}")
+    return records, summary
+
+
+def _tokens_per_s(records: list[dict]) -> float:
+    tokens = sum(r["tokens_per_s"] * r["step_s"] for r in records)
+    seconds = sum(r["step_s"] for r in records)
+    return tokens / seconds if seconds else 0.0
+
+
+def _report(config, settings, steps, gaps, checking, stages, wall_s) -> dict:
+    throughput = {mode: _tokens_per_s(records) for mode, records in steps.items()}
+    forward_ms = [s["forward_cpu_ms"] for s in stages.values() if s.get("forward_cpu_ms") is not None]
+    check_ms = checking.get("cpu_ms_per_check")
+    mean_forward = sum(forward_ms) / len(forward_ms) if forward_ms else None
+    ratios = {
+        "verified_over_relay": throughput["verified"] / throughput["relay"] if throughput["relay"] else None,
+        "verified_over_duplicate": throughput["verified"] / throughput["duplicate"]
+        if throughput["duplicate"]
+        else None,
+    }
+    return {
+        "model": {"hidden_size": config.model.hidden_size, "n_layers": config.model.n_layers},
+        "pipeline": {
+            "n_stages": config.pipeline.n_stages,
+            "replicas": settings.replicas,
+            "microbatch": [config.pipeline.microbatch_size, config.pipeline.seq_len],
+            "microbatches_per_step": config.pipeline.microbatches_per_step,
+        },
+        "steps_per_mode": {mode: len(records) for mode, records in steps.items()},
+        "tokens_per_s": throughput,
+        "ratios": ratios,
+        "targets": TARGETS,
+        "meets_targets": all(ratios[k] is not None and ratios[k] >= v for k, v in TARGETS.items()),
+        "verifier_cpu_ms_per_check": check_ms,
+        "checks": checking.get("checks"),
+        "stage_forward_cpu_ms": mean_forward,
+        "check_over_forward": check_ms / mean_forward if check_ms and mean_forward else None,
+        "duplicate_loss_gap": sum(gaps) / len(gaps) if gaps else None,
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def table(report: dict) -> str:
+    """The report as a readable table."""
+    t, r = report["tokens_per_s"], report["ratios"]
+
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    lines = [
+        f"{'mode':<12} {'tokens/s':>9} {'steps':>6}",
+        *(f"{mode:<12} {t[mode]:>9.0f} {report['steps_per_mode'][mode]:>6}" for mode in MODES),
+        "",
+        f"verified / relay      {ratio(r['verified_over_relay']):>6}   (target >= {TARGETS['verified_over_relay']})",
+        f"verified / duplicate  {ratio(r['verified_over_duplicate']):>6}   "
+        f"(target >= {TARGETS['verified_over_duplicate']})",
+    ]
+    if report["verifier_cpu_ms_per_check"] is not None:
+        lines.append(
+            f"verifier CPU per checked tensor {report['verifier_cpu_ms_per_check']:.2f} ms; producing forward "
+            f"{report['stage_forward_cpu_ms']:.2f} ms (ratio {ratio(report['check_over_forward'])})"
+        )
+    lines.append(f"targets {'met' if report['meets_targets'] else 'NOT met'}; wall time {report['wall_s']:.0f}s")
+    return "\n".join(lines)
+
+
+def write_report(report: dict, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "overhead.json"
+    path.write_text(json.dumps(report, indent=2))
+    return path
