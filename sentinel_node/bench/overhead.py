@@ -13,6 +13,11 @@ training:
 Reported: tokens/s per mode (the first step of each phase, a new trainer's warm-up, is left out), the ratios
 verified/relay and verified/duplicate, and the checking verifier's CPU time per checked tensor against the CPU
 time of the forward pass that produced it.
+
+The model: the demo's config with 4 layers per stage (:data:`BENCH_MODEL`). A stage of a real deployment holds
+many layers; with the demo's single layer per stage a check costs about as much as the forward pass it checks,
+which says nothing about a deployment. Everything here shares two cores, verifiers included, so the verifier's CPU
+time is on the critical path; on a real swarm it runs on machines of its own.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from sentinel_node.config import load_config
 from sentinel_node.demo import DEMO_CONFIG_PATH, LocalSwarm, follow_json_lines
 
 MODES = ("verified", "relay", "duplicate")
+BENCH_MODEL = {"hidden_size": 128, "intermediate_size": 344, "n_layers": 12, "n_heads": 4, "n_kv_heads": 4}
 TARGETS = {"verified_over_relay": 0.85, "verified_over_duplicate": 1.8}
 
 
@@ -39,6 +45,7 @@ class OverheadSettings:
     rounds: int = 2
     replicas: int = 2
     config_path: Path = DEMO_CONFIG_PATH
+    model: tuple[tuple[str, int], ...] = tuple(BENCH_MODEL.items())  # overrides of the config's model section
     workdir: Path | None = None
     start_timeout: float = 150.0
 
@@ -50,7 +57,7 @@ def run_overhead(
     with tempfile.TemporaryDirectory(prefix="sentinel-bench-") as scratch:
         workdir = Path(settings.workdir or scratch)
         workdir.mkdir(parents=True, exist_ok=True)
-        config = load_config(settings.config_path)
+        config = load_config(settings.config_path).with_overrides(model=dict(settings.model))
         config_path = workdir / "swarm.yaml"
         config_path.write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
         (workdir / "identities").mkdir(exist_ok=True, mode=0o700)
@@ -77,7 +84,8 @@ def run_overhead(
                     step += settings.steps_per_phase
                     if summary.get("duplicate_loss_gap") is not None:
                         gaps.append(summary["duplicate_loss_gap"])
-                    echo(f"round {round_ + 1} {mode:>9}: {_tokens_per_s(records[1:]):7.0f} tokens/s")
+                    timing = ", ".join(f"{k} {v:.1f}" for k, v in summary["timing"].items())
+                    echo(f"round {round_ + 1} {mode:>9}: {_tokens_per_s(records[1:]):7.0f} tokens/s ({timing})")
             checking = swarm.nodes["checking"].status() or {}
             stages = {name: node.status() or {} for name, node in swarm.nodes.items() if node.role == "stage"}
         return _report(config, settings, steps, gaps, checking, stages, time.monotonic() - started)
@@ -91,16 +99,20 @@ def _phase(swarm: LocalSwarm, mode: str, round_: int, start_step: int, steps: in
     args += ["--only-verifiers", verifier, "--metrics-out", str(metrics)]
     if mode == "duplicate":
         args.append("--duplicate")
+    started = time.monotonic()
     trainer = swarm.start(name, "trainer", *args)
     swarm.wait_ready([trainer], 120)
-    records, summary = [], {}
+    records, summary, timing = [], {}, {"ready_s": time.monotonic() - started}
     for record in follow_json_lines(metrics, trainer):
         if record.get("event") == "step":
             records.append(record)
         elif record.get("event") == "summary":
             summary = record
-    if trainer.process.wait(timeout=30) != 0 or not summary:
+            timing["summary_s"] = time.monotonic() - started
+    if trainer.process.wait(timeout=60) != 0 or not summary:
         raise RuntimeError(f"{name} failed; its log ends with:\n{trainer.log_tail()}")
+    timing["exit_s"] = time.monotonic() - started
+    summary["timing"] = timing
     return records, summary
 
 
