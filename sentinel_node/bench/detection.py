@@ -29,7 +29,7 @@ TARGETS = ("activation", "gradient")
 PROFILES: dict[str, dict[str, dict]] = {
     "quick": {
         "model": {"hidden_size": 64, "intermediate_size": 172},
-        "sim": {"steps": 100, "attack_start": 50, "replicas": 4, "eval_every": 10},
+        "sim": {"steps": 90, "attack_start": 45, "replicas": 4, "eval_every": 15, "eval_batches": 3},
     },
     "full": {
         "model": {"hidden_size": 128, "intermediate_size": 344},

@@ -42,7 +42,7 @@ def simulate(
     """Trains the mesh; `on_line` receives a line per step. Returns the summary (with its text under "text")."""
     plan = attack_plan(config, attack, attack_file, target)
     corpus = load_corpus(config.data.path, config.data.val_fraction, config.data.max_bytes)
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    torch.set_num_threads(1)  # tensors this small gain nothing from a second thread, and lose much on a busy machine
     started = time.monotonic()
     mesh = Mesh(config, corpus, plan, verify=verify)
     if on_line is not None:

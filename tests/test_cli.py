@@ -1,0 +1,122 @@
+"""The simulate and bench commands: they run, and they reject bad input naming what was wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from sentinel_node.cli import main
+
+SMALL = {
+    "model": {"hidden_size": 32, "intermediate_size": 86},
+    "verification": {"warmup": 60},
+    "sim": {"steps": 40, "attack_start": 24, "eval_every": 10, "eval_batches": 2},
+    "data": {"max_bytes": 2**20},
+}
+
+
+def _config(tmp_path, data: dict) -> str:
+    path = tmp_path / "swarm.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_help_lists_the_commands():
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == 0
+    for command in ("simulate", "bench", "join", "swarm", "demo"):
+        assert command in result.output
+
+
+def test_mistyped_config_key_names_the_field(tmp_path):
+    path = _config(tmp_path, {"model": {"hiden_size": 64}})
+    result = CliRunner().invoke(main, ["simulate", "--config", path])
+    assert result.exit_code == 2
+    assert "model.hiden_size" in result.output and "unknown key" in result.output
+
+
+def test_wrongly_typed_config_value_names_the_field(tmp_path):
+    path = _config(tmp_path, {"verification": {"warmup": "soon"}})
+    result = CliRunner().invoke(main, ["simulate", "--config", path])
+    assert result.exit_code == 2
+    assert "verification.warmup" in result.output
+
+
+def test_open_verifier_set_with_quorum_one_is_rejected(tmp_path):
+    path = _config(tmp_path, {"swarm": {"ban_quorum": 1}})
+    result = CliRunner().invoke(main, ["simulate", "--config", path])
+    assert result.exit_code == 2
+    assert "ban_quorum" in result.output and "at least 2" in result.output
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    result = CliRunner().invoke(main, ["simulate", "--config", str(tmp_path / "nope.yaml")])
+    assert result.exit_code == 2
+    assert "cannot read config" in result.output
+
+
+def test_unknown_attack_lists_the_catalogue():
+    result = CliRunner().invoke(main, ["simulate", "--attack", "teleport"])
+    assert result.exit_code == 2
+    assert "constant" in result.output and "sign_flip" in result.output
+
+
+def test_attack_file_errors_are_clear(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def two(tensor, step):\n    return tensor\n")
+    cases = {
+        f"{tmp_path / 'missing.py'}:f": "no file",
+        f"{bad}:absent": "defines no 'absent'",
+        f"{bad}:two": "must take (tensor, step, state)",
+        str(bad): "PATH.py:NAME",
+    }
+    for spec, message in cases.items():
+        result = CliRunner().invoke(main, ["simulate", "--attack-file", spec])
+        assert result.exit_code == 1, spec
+        assert message in result.output, (spec, result.output)
+
+
+@pytest.mark.slow
+def test_simulate_bans_the_attacker_and_no_honest_worker(tmp_path):
+    path = _config(tmp_path, SMALL)
+    result = CliRunner().invoke(main, ["simulate", "--config", path, "--attack", "constant", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert summary["malicious"] and not summary["malicious_not_banned"]
+    assert summary["honest_banned"] == []
+    assert summary["last_val_loss"] < summary["first_val_loss"]
+
+
+@pytest.mark.slow
+def test_simulate_with_an_attack_file_runs_the_red_teams_function(tmp_path):
+    attack = tmp_path / "mine.py"
+    attack.write_text(
+        "def wipe(tensor, step, state):\n    state['calls'] = state.get('calls', 0) + 1\n    return tensor * 0\n"
+    )
+    path = _config(tmp_path, SMALL)
+    result = CliRunner().invoke(main, ["simulate", "--config", path, "--attack-file", f"{attack}:wipe", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert summary["malicious"] and not summary["malicious_not_banned"]
+    assert summary["honest_banned"] == []
+
+
+@pytest.mark.slow
+def test_bench_detection_reports_one_attack_as_json_and_plots(tmp_path):
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(
+        main, ["bench", "detection", "--quick", "--attack", "constant", "--json", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["profile"] == "quick"
+    rows = {(row["name"], row["target"]): row for row in report["attacks"]}
+    assert set(rows) == {("constant", "activation"), ("constant", "gradient")}
+    for row in rows.values():
+        assert row["f1"] == 1.0 and row["honest_banned"] == 0
+        assert set(row["val_loss"]) == {"clean", "undefended", "defended"}
+        assert (out / f"val_loss_constant_{row['target']}.png").stat().st_size > 0
+    assert json.loads((out / "detection.json").read_text())["attacks"][0]["curves"]["clean"]
