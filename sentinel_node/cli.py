@@ -420,13 +420,12 @@ def detection(config_path, quick, attacks, attack_file, as_json, out, workers) -
 @bench.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Default: configs/demo.yaml.")
 @click.option(
-    "--steps-per-phase", type=click.IntRange(min=2), default=8, show_default=True, help="Steps per trainer run."
+    "--steps", type=click.IntRange(min=6), default=36, show_default=True, help="Steps, cycling the three modes."
 )
-@click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True, help="Rounds of the 3 modes.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/bench", show_default=True, help="JSON here.")
 @click.option("--workdir", type=click.Path(file_okay=False), help="Keep the swarm's logs and status files here.")
-def overhead(config_path, steps_per_phase, rounds, as_json, out, workdir) -> None:
+def overhead(config_path, steps, as_json, out, workdir) -> None:
     """SENTINEL's cost on a local swarm: tokens/s verified vs plain relays vs duplicate computation, and the
     verifier's CPU time per checked tensor against the forward pass that produced it."""
     import json
@@ -434,17 +433,17 @@ def overhead(config_path, steps_per_phase, rounds, as_json, out, workdir) -> Non
 
     from sentinel_node.bench.overhead import OverheadSettings, run_overhead, table, write_report
     from sentinel_node.demo import DEMO_CONFIG_PATH, SwarmStartError
+    from sentinel_node.roles.common import NodeError
 
     _load(config_path)
     settings = OverheadSettings(
-        steps_per_phase=steps_per_phase,
-        rounds=rounds,
+        steps=steps,
         config_path=Path(config_path) if config_path else DEMO_CONFIG_PATH,
         workdir=Path(workdir) if workdir else None,
     )
     try:
         report = run_overhead(settings, echo=lambda line: click.echo(line, err=True))
-    except (SwarmStartError, RuntimeError) as e:
+    except (SwarmStartError, NodeError) as e:
         raise click.ClickException(str(e)) from None
     path = write_report(report, Path(out))
     click.echo(json.dumps(report, indent=2) if as_json else table(report))

@@ -1,8 +1,8 @@
 """``sentinel-node bench overhead``: what SENTINEL costs, measured on a local swarm.
 
 One swarm (a bootstrap, 3 stages x 2 replicas, and two verifiers serving every boundary: one checking, one a plain
-relay, ``BoundaryVerifier(enabled=False)``) trains in alternating phases, each a trainer run of a few steps that
-routes through one mode only, so every mode sees the same stages, the same machine load and the same point of
+relay, ``BoundaryVerifier(enabled=False)``) is trained by one trainer that changes mode at every step, so the
+three modes share the stages, the machine's load (which on a shared machine moves a lot) and the point of
 training:
 
 - ``verified``: every activation and gradient checked by SENTINEL;
@@ -10,14 +10,14 @@ training:
 - ``duplicate``: the baseline verification replaces, every microbatch computed by two replicas and the results
   compared (through the relay verifier).
 
-Reported: tokens/s per mode (the first step of each phase, a new trainer's warm-up, is left out), the ratios
-verified/relay and verified/duplicate, and the checking verifier's CPU time per checked tensor against the CPU
-time of the forward pass that produced it.
+Reported: tokens/s per mode (the first steps, everyone's warm-up, left out), the ratios verified/relay and
+verified/duplicate, and the checking verifier's CPU time per checked tensor against the CPU time of the forward
+pass that produced it.
 
 The model: the demo's config with 4 layers per stage (:data:`BENCH_MODEL`). A stage of a real deployment holds
 many layers; with the demo's single layer per stage a check costs about as much as the forward pass it checks,
-which says nothing about a deployment. Everything here shares two cores, verifiers included, so the verifier's CPU
-time is on the critical path; on a real swarm it runs on machines of its own.
+which says nothing about a deployment. Everything here shares the machine's cores, verifiers included, so the
+verifier's CPU time is on the critical path; on a real swarm it runs on machines of its own.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ import json
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import yaml
 
-from sentinel_node.config import load_config
-from sentinel_node.demo import DEMO_CONFIG_PATH, LocalSwarm, follow_json_lines
+from sentinel_node.config import Config, load_config
+from sentinel_node.demo import DEMO_CONFIG_PATH, LOOPBACK, LocalSwarm
 
 MODES = ("verified", "relay", "duplicate")
 BENCH_MODEL = {"hidden_size": 128, "intermediate_size": 344, "n_layers": 12, "n_heads": 4, "n_kv_heads": 4}
@@ -41,8 +41,8 @@ TARGETS = {"verified_over_relay": 0.85, "verified_over_duplicate": 1.8}
 
 @dataclass(frozen=True)
 class OverheadSettings:
-    steps_per_phase: int = 8
-    rounds: int = 2
+    steps: int = 36  # cycled over the three modes
+    warmup_steps: int = 3  # left out of the figures
     replicas: int = 2
     config_path: Path = DEMO_CONFIG_PATH
     model: tuple[tuple[str, int], ...] = tuple(BENCH_MODEL.items())  # overrides of the config's model section
@@ -53,7 +53,10 @@ class OverheadSettings:
 def run_overhead(
     settings: OverheadSettings = OverheadSettings(), echo: Callable[[str], None] = lambda _: None
 ) -> dict:
-    """Starts the swarm, runs ``rounds`` x (verified, relay, duplicate) phases, stops every process; the report."""
+    """Starts the swarm, trains ``settings.steps`` steps cycling the modes, stops every process; the report."""
+    from sentinel_node.roles.common import JoinOptions
+    from sentinel_node.roles.trainer import StepLog, TrainerOptions, run_trainer
+
     with tempfile.TemporaryDirectory(prefix="sentinel-bench-") as scratch:
         workdir = Path(settings.workdir or scratch)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -73,47 +76,29 @@ def run_overhead(
             nodes.append(swarm.start("checking", "verifier"))
             nodes.append(swarm.start("relay", "verifier", "--no-verify"))
             swarm.wait_ready(nodes, settings.start_timeout)
-            echo(f"swarm up in {time.monotonic() - started:.0f}s; {settings.rounds} rounds of {', '.join(MODES)}")
-            steps: dict[str, list[dict]] = {mode: [] for mode in MODES}
-            gaps: list[float] = []
-            step = 0
-            for round_ in range(settings.rounds):
-                for mode in MODES:
-                    records, summary = _phase(swarm, mode, round_, step, settings.steps_per_phase)
-                    steps[mode] += records[1:]  # the first step of a new trainer includes its warm-up
-                    step += settings.steps_per_phase
-                    if summary.get("duplicate_loss_gap") is not None:
-                        gaps.append(summary["duplicate_loss_gap"])
-                    timing = ", ".join(f"{k} {v:.1f}" for k, v in summary["timing"].items())
-                    echo(f"round {round_ + 1} {mode:>9}: {_tokens_per_s(records[1:]):7.0f} tokens/s ({timing})")
-            checking = swarm.nodes["checking"].status() or {}
+            echo(f"swarm up in {time.monotonic() - started:.0f}s; {settings.steps} steps cycling {', '.join(MODES)}")
+            checking, relay = swarm.nodes["checking"].peer_id, swarm.nodes["relay"].peer_id
+            schedule = (((checking,), False), ((relay,), False), ((relay,), True))
+            logs: list[StepLog] = []
+
+            def on_step(log: StepLog) -> None:
+                logs.append(log)
+                echo(f"step {log.step:>3} {MODES[log.mode]:>9}: {log.tokens_per_s:7.0f} tokens/s")
+
+            summary = run_trainer(
+                JoinOptions(config=config, initial_peers=tuple(swarm.initial_peers), host_maddrs=(LOOPBACK,)),
+                on_ready=lambda *_: None,
+                settings=TrainerOptions(steps=settings.steps, start_step=0, eval_every=0, schedule=schedule),
+                on_step=on_step,
+            )
+            checking_status = swarm.nodes["checking"].status() or {}
             stages = {name: node.status() or {} for name, node in swarm.nodes.items() if node.role == "stage"}
-        return _report(config, settings, steps, gaps, checking, stages, time.monotonic() - started)
-
-
-def _phase(swarm: LocalSwarm, mode: str, round_: int, start_step: int, steps: int) -> tuple[list[dict], dict]:
-    name = f"trainer-{mode}-{round_}"
-    metrics = swarm.workdir / f"{name}.jsonl"
-    verifier = swarm.nodes["relay" if mode != "verified" else "checking"].peer_id
-    args = ["--steps", str(steps), "--start-step", str(start_step), "--eval-every", "0", "--no-progress"]
-    args += ["--only-verifiers", verifier, "--metrics-out", str(metrics)]
-    if mode == "duplicate":
-        args.append("--duplicate")
-    started = time.monotonic()
-    trainer = swarm.start(name, "trainer", *args)
-    swarm.wait_ready([trainer], 120)
-    records, summary, timing = [], {}, {"ready_s": time.monotonic() - started}
-    for record in follow_json_lines(metrics, trainer):
-        if record.get("event") == "step":
-            records.append(record)
-        elif record.get("event") == "summary":
-            summary = record
-            timing["summary_s"] = time.monotonic() - started
-    if trainer.process.wait(timeout=60) != 0 or not summary:
-        raise RuntimeError(f"{name} failed; its log ends with:\n{trainer.log_tail()}")
-    timing["exit_s"] = time.monotonic() - started
-    summary["timing"] = timing
-    return records, summary
+        steps = {mode: [] for mode in MODES}
+        for log in logs[settings.warmup_steps :]:
+            steps[MODES[log.mode]].append(asdict(log))
+        return _report(
+            config, settings, steps, summary.duplicate_loss_gap, checking_status, stages, time.monotonic() - started
+        )
 
 
 def _tokens_per_s(records: list[dict]) -> float:
@@ -122,7 +107,15 @@ def _tokens_per_s(records: list[dict]) -> float:
     return tokens / seconds if seconds else 0.0
 
 
-def _report(config, settings, steps, gaps, checking, stages, wall_s) -> dict:
+def _report(
+    config: Config,
+    settings: OverheadSettings,
+    steps: dict[str, list[dict]],
+    duplicate_loss_gap: float | None,
+    checking: dict,
+    stages: dict[str, dict],
+    wall_s: float,
+) -> dict:
     throughput = {mode: _tokens_per_s(records) for mode, records in steps.items()}
     forward_ms = [s["forward_cpu_ms"] for s in stages.values() if s.get("forward_cpu_ms") is not None]
     check_ms = checking.get("cpu_ms_per_check")
@@ -150,7 +143,7 @@ def _report(config, settings, steps, gaps, checking, stages, wall_s) -> dict:
         "checks": checking.get("checks"),
         "stage_forward_cpu_ms": mean_forward,
         "check_over_forward": check_ms / mean_forward if check_ms and mean_forward else None,
-        "duplicate_loss_gap": sum(gaps) / len(gaps) if gaps else None,
+        "duplicate_loss_gap": duplicate_loss_gap,
         "wall_s": round(wall_s, 1),
     }
 

@@ -83,6 +83,14 @@ class TrainerOptions:
     start_step: int | None = None  # None: resume from the highest global step a trainer announced
     only_verifiers: tuple[str, ...] = ()  # route through these verifiers only (benchmarks)
     duplicate: bool = False  # the baseline SENTINEL replaces: every microbatch computed by two replicas, compared
+    # benchmarks: routing modes cycled step by step, each (only_verifiers, duplicate); overrides the two above
+    schedule: tuple[tuple[tuple[str, ...], bool], ...] = ()
+
+    def mode(self, step: int) -> tuple[tuple[str, ...], bool]:
+        """The verifiers to route through (empty: any) and whether to compute twice, at global step ``step``."""
+        if self.schedule:
+            return self.schedule[step % len(self.schedule)]
+        return self.only_verifiers, self.duplicate
 
 
 _AVOID_CODES = frozenset({"unavailable", "deadline", "overloaded", "internal"})
@@ -159,6 +167,7 @@ class StepLog:
     accounting: dict
     wall_s: float
     step_s: float = 0.0  # this step's time: its microbatches and the step calls, not validation
+    mode: int = 0  # index into TrainerOptions.schedule, if one is given
 
 
 @dataclass
@@ -351,6 +360,7 @@ class TrainerNode:
             accounting=self.accounting.as_dict(),
             wall_s=time.monotonic() - self._started,
             step_s=elapsed,
+            mode=step % len(self.settings.schedule) if self.settings.schedule else 0,
         )
         logger.info(
             f"step {step}: loss {loss if loss is None else round(loss, 4)}, {log.tokens_per_s:.0f} tokens/s, "
@@ -371,7 +381,7 @@ class TrainerNode:
             self.accounting.start(name)
         outcome, loss = "failed", None
         avoid: set[str] = set()
-        copies = 2 if self.settings.duplicate and train else 1
+        copies = 2 if self.settings.mode(step)[1] and train else 1
         try:
             async with self.inflight:
                 for attempt in range(self.settings.max_attempts):
@@ -484,9 +494,8 @@ class TrainerNode:
         return hops
 
     def _barred_verifiers(self, view: SwarmView) -> set[str]:
-        if not self.settings.only_verifiers:
-            return set()
-        return set(view.verifiers) - set(self.settings.only_verifiers)
+        only = self.settings.mode(self.step)[0]
+        return set(view.verifiers) - set(only) if only else set()
 
     def _resume_step(self) -> int:
         """Where this trainer's step count starts: stages apply each global step once, so a trainer that joins a
