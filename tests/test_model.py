@@ -210,8 +210,17 @@ def test_an_empty_data_dir_is_a_clear_error(tmp_path):
 
 def test_a_data_dir_of_only_binary_files_is_a_clear_error(tmp_path):
     (tmp_path / "a.bin").write_bytes(b"\x00" * 100)
-    with pytest.raises(ValueError, match="too small to split"):
+    with pytest.raises(FileNotFoundError, match="no text files"):
         load_corpus(tmp_path)
+
+
+def test_a_single_text_file_is_split_by_its_tail(tmp_path):
+    text = bytes(range(32, 127)) * 100
+    (tmp_path / "input.txt").write_bytes(text)
+    corpus = load_corpus(tmp_path, val_fraction=0.1)
+    assert corpus.n_files == 1
+    assert len(corpus.val) == len(text) - int(len(text) * 0.9)
+    assert bytes(corpus.train) + bytes(corpus.val) == text
 
 
 # --- batches -------------------------------------------------------------------------------------------------------

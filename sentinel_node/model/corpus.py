@@ -66,9 +66,14 @@ def load_corpus(path: str | Path | None = None, val_fraction: float = 0.05, max_
         parts[_is_validation(str(file.relative_to(root)), val_fraction)].append(data)
         total += len(data)
         used += 1
-    if not parts[False] or not parts[True]:
-        raise ValueError(f"corpus at {root} is too small to split into train and validation ({used} text files)")
+    if not used:
+        raise FileNotFoundError(f"--data {root} holds no text files (binary files are skipped)")
     as_array = lambda chunks: np.frombuffer(_SEPARATOR.join(chunks), dtype=np.uint8)  # noqa: E731
+    if not parts[False] or not parts[True]:
+        # too few files for a split by file (a single input.txt is common): hold out the tail of the text instead
+        text = as_array(parts[False] + parts[True])
+        cut = int(len(text) * (1 - val_fraction))
+        return Corpus(train=text[:cut], val=text[cut:], source=str(root), n_files=used)
     return Corpus(train=as_array(parts[False]), val=as_array(parts[True]), source=str(root), n_files=used)
 
 
