@@ -126,6 +126,7 @@ def _report(
         if throughput["duplicate"]
         else None,
     }
+    cpu = _cpu_accounting(config, checking, stages)
     return {
         "model": {"hidden_size": config.model.hidden_size, "n_layers": config.model.n_layers},
         "pipeline": {
@@ -143,8 +144,33 @@ def _report(
         "checks": checking.get("checks"),
         "stage_forward_cpu_ms": mean_forward,
         "check_over_forward": check_ms / mean_forward if check_ms and mean_forward else None,
+        "cpu_accounting": cpu,
         "duplicate_loss_gap": duplicate_loss_gap,
         "wall_s": round(wall_s, 1),
+    }
+
+
+def _cpu_accounting(config: Config, checking: dict, stages: dict[str, dict]) -> dict | None:
+    """The ratios a CPU-bound swarm would show, from CPU time alone, whatever else loads the machine.
+
+    C: the stages' compute per microbatch (forward and backward on every stage of a route); V: the checks per
+    microbatch (an activation and a gradient per boundary). verified/relay = C / (C + V), verified/duplicate =
+    2C / (C + V). Transport CPU, paid alike by every mode (twice by duplicate), is left out, which understates
+    both ratios.
+    """
+    visits = sum(s.get("served", 0) + s.get("dropped", 0) + s.get("evaluated", 0) for s in stages.values())
+    cpu_s = sum(s.get("compute_cpu_s", 0.0) for s in stages.values())
+    check_ms = checking.get("cpu_ms_per_check")
+    if not visits or not check_ms:
+        return None
+    n_stages = config.pipeline.n_stages
+    compute_ms = 1000 * cpu_s / visits * n_stages
+    checks_ms = check_ms * 2 * (n_stages - 1)
+    return {
+        "stage_compute_ms_per_microbatch": compute_ms,
+        "checks_ms_per_microbatch": checks_ms,
+        "verified_over_relay": compute_ms / (compute_ms + checks_ms),
+        "verified_over_duplicate": 2 * compute_ms / (compute_ms + checks_ms),
     }
 
 
@@ -163,6 +189,13 @@ def table(report: dict) -> str:
         f"verified / duplicate  {ratio(r['verified_over_duplicate']):>6}   "
         f"(target >= {TARGETS['verified_over_duplicate']})",
     ]
+    cpu = report.get("cpu_accounting")
+    if cpu:
+        lines.append(
+            f"by CPU time: compute {cpu['stage_compute_ms_per_microbatch']:.1f} ms and checks "
+            f"{cpu['checks_ms_per_microbatch']:.1f} ms per microbatch: verified / relay "
+            f"{cpu['verified_over_relay']:.2f}, verified / duplicate {cpu['verified_over_duplicate']:.2f}"
+        )
     if report["verifier_cpu_ms_per_check"] is not None:
         lines.append(
             f"verifier CPU per checked tensor {report['verifier_cpu_ms_per_check']:.2f} ms; producing forward "

@@ -1,0 +1,54 @@
+"""``sentinel-node bench overhead``: its figures from step records and status files, and its table.
+
+The bench's swarm is the demo's (tested in tests/test_pipeline_swarm.py); a run takes minutes, so here the
+arithmetic and the trainer's mode schedule are checked on their own.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sentinel_node.bench.overhead import MODES, OverheadSettings, _cpu_accounting, _report, _tokens_per_s, table
+from sentinel_node.config import load_config
+from sentinel_node.roles.trainer import TrainerOptions
+
+
+def step(tokens_per_s: float, step_s: float) -> dict:
+    return {"tokens_per_s": tokens_per_s, "step_s": step_s}
+
+
+def test_tokens_per_s_weighs_steps_by_their_time():
+    assert _tokens_per_s([step(1000, 1.0), step(3000, 3.0)]) == pytest.approx(10000 / 4)
+    assert _tokens_per_s([]) == 0.0
+
+
+def test_cpu_accounting_prices_checks_against_compute():
+    config = load_config("configs/demo.yaml")  # 3 stages: 2 boundaries, 4 checks per microbatch
+    stages = {f"s{i}": {"served": 10, "dropped": 0, "evaluated": 0, "compute_cpu_s": 0.5} for i in range(3)}
+    cpu = _cpu_accounting(config, {"cpu_ms_per_check": 5.0}, stages)
+    assert cpu["stage_compute_ms_per_microbatch"] == pytest.approx(150.0)  # 50 ms per stage visit, 3 stages
+    assert cpu["checks_ms_per_microbatch"] == pytest.approx(20.0)
+    assert cpu["verified_over_relay"] == pytest.approx(150 / 170)
+    assert cpu["verified_over_duplicate"] == pytest.approx(300 / 170)
+    assert _cpu_accounting(config, {}, stages) is None
+
+
+def test_report_and_table():
+    config = load_config("configs/demo.yaml")
+    steps = {"verified": [step(900, 1.0)], "relay": [step(1000, 1.0)], "duplicate": [step(450, 2.0)]}
+    stages = {"s0": {"served": 4, "compute_cpu_s": 0.4, "forward_cpu_ms": 20.0}}
+    checking = {"cpu_ms_per_check": 4.0, "checks": {"activation": 8, "gradient": 8}}
+    report = _report(config, OverheadSettings(), steps, 0.01, checking, stages, wall_s=100.0)
+    assert report["ratios"] == {"verified_over_relay": pytest.approx(0.9), "verified_over_duplicate": 2.0}
+    assert report["meets_targets"] and report["check_over_forward"] == pytest.approx(0.2)
+    text = table(report)
+    assert "verified / relay        0.90" in text and "verified / duplicate    2.00" in text
+    assert "targets met" in text and "by CPU time" in text
+
+
+def test_trainer_cycles_the_bench_modes_step_by_step():
+    schedule = ((("checking",), False), (("relay",), False), (("relay",), True))
+    options = TrainerOptions(schedule=schedule)
+    assert [options.mode(s) for s in range(4)] == [*schedule, schedule[0]]
+    assert len(MODES) == len(schedule)
+    assert TrainerOptions(only_verifiers=("v",), duplicate=True).mode(7) == (("v",), True)
