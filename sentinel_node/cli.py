@@ -420,7 +420,7 @@ def detection(config_path, quick, attacks, attack_file, as_json, out, workers) -
 @bench.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Default: configs/demo.yaml.")
 @click.option(
-    "--steps", type=click.IntRange(min=6), default=36, show_default=True, help="Steps, cycling the three modes."
+    "--steps", type=click.IntRange(min=6), default=33, show_default=True, help="Steps, cycling the three modes."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/bench", show_default=True, help="JSON here.")
