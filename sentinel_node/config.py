@@ -61,6 +61,9 @@ class PipelineConfig(_Strict):
     average_every: int = Field(5, ge=1, description="replicas of a stage average parameters every this many steps")
     compression: Literal["none", "float16", "blockwise_8bit"] = "none"
     max_tensor_mib: float = Field(64.0, gt=0, description="largest tensor a node accepts from the network")
+    mixed_precision: Literal["auto", "bf16", "off"] = Field(
+        "auto", description="auto: bf16 autocast on GPUs that support it, else fp32; tensors on the wire stay fp32"
+    )
 
 
 # below these, a distance is noise whatever the window says (a sign-flip share of 0.1, a 10% change of norm)

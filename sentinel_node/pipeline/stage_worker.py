@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from hivemind.utils.logging import get_logger
 
 from sentinel_node.config import ModelConfig, PipelineConfig
 from sentinel_node.model import StageModule, build_stage
+from sentinel_node.pipeline.device import choose_precision, make_optimizer, resolve_device
+
+logger = get_logger(__name__)
 
 
 class StageWorker:
@@ -13,6 +19,11 @@ class StageWorker:
 
     A replica steps on the trainer's global step with the mean gradient of the microbatches it served since the
     last step, so replicas that are later averaged each contribute an unbiased update.
+
+    `device` may be "auto" (CUDA when visible) or None (the same). On CUDA the optimizer is bitsandbytes' 8-bit
+    AdamW when installed and forward/backward run under bf16 autocast where the GPU supports it
+    (`pipeline.mixed_precision`); whatever the compute dtype, the tensors it returns (activations, input
+    gradients) are float32, so verifiers and peers see one dtype on the wire. On the CPU: fp32 and torch AdamW.
     """
 
     def __init__(
@@ -21,15 +32,18 @@ class StageWorker:
         pipeline: PipelineConfig,
         stage: int,
         seed: int = 0,
-        device: str | torch.device = "cpu",
+        device: str | torch.device | None = "cpu",
         max_pending: int = 64,
     ):
         self.stage, self.n_stages, self.pipeline = stage, pipeline.n_stages, pipeline
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
+        self.precision = choose_precision(self.device.type, pipeline.mixed_precision)
         self.module: StageModule = build_stage(model, stage, pipeline.n_stages, seed).to(self.device)
-        self.optimizer = torch.optim.AdamW(
-            self.module.parameters(), lr=pipeline.lr, weight_decay=pipeline.weight_decay
-        )
+        self.optimizer, self.optimizer_name = make_optimizer(self.module.parameters(), pipeline, self.device)
+        if self.device.type != "cpu":
+            logger.info(
+                f"stage {stage} on {self.device}: {self.precision.name} compute, optimizer {self.optimizer_name}"
+            )
         self.max_pending = max_pending
         self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.accumulated = 0
@@ -50,9 +64,15 @@ class StageWorker:
         inputs = inputs.to(self.device)
         if not self.is_first:
             inputs = inputs.detach().requires_grad_(True)
-        output = self.module(inputs)
+        with self._autocast():
+            output = self.module(inputs)
         self._pending[microbatch] = (inputs, output)
-        return output.detach()
+        return output.detach().float()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if not self.precision.enabled:
+            return contextlib.nullcontext()  # fp32: no autocast machinery at all, as before mixed precision
+        return torch.autocast(device_type=self.device.type, dtype=self.precision.autocast)
 
     def forward_backward_loss(
         self, microbatch: str, inputs: torch.Tensor, targets: torch.Tensor
@@ -63,7 +83,7 @@ class StageWorker:
         loss = self.module.loss(logits, targets.to(self.device))
         loss.backward()
         self.accumulated += 1
-        grad = inputs.grad.detach() if inputs.grad is not None else None
+        grad = inputs.grad.detach().float() if inputs.grad is not None else None
         return float(loss.detach()), grad
 
     def backward(self, microbatch: str, grad_output: torch.Tensor) -> torch.Tensor | None:
@@ -71,7 +91,7 @@ class StageWorker:
         inputs, output = self._pending.pop(microbatch)
         output.backward(grad_output.to(device=self.device, dtype=output.dtype))
         self.accumulated += 1
-        return None if self.is_first else inputs.grad.detach()
+        return None if self.is_first else inputs.grad.detach().float()
 
     def discard(self, microbatch: str) -> None:
         """Forgets a microbatch whose gradient will never come (dropped, failed, or its output was replaced)."""
