@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,3 +170,12 @@ def test_bf16_autocast_keeps_the_wire_float32():
     assert first.precision == Precision(torch.bfloat16)
     assert all(p.dtype == torch.float32 for p in first.module.parameters())  # master weights stay fp32
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_gpu_check_script_exits_cleanly_without_a_gpu(no_cuda, capsys):
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main([]) == 0
+    assert "no GPU present" in capsys.readouterr().out
