@@ -43,6 +43,7 @@ NEVER = 10**9
 @dataclass(frozen=True)
 class OverheadSettings:
     steps: int = 33  # cycled over the three modes
+    microbatches_per_step: int = 12
     warmup_steps: int = 3  # left out of the figures
     replicas: int = 2
     config_path: Path = DEMO_CONFIG_PATH
@@ -61,10 +62,11 @@ def run_overhead(
     with tempfile.TemporaryDirectory(prefix="sentinel-bench-") as scratch:
         workdir = Path(settings.workdir or scratch)
         workdir.mkdir(parents=True, exist_ok=True)
-        # no parameter averaging: its rounds would land on some modes' steps and not others'
-        config = load_config(settings.config_path).with_overrides(
-            model=dict(settings.model), pipeline={"average_every": NEVER}
-        )
+        # enough microbatches in flight to keep every core busy (a swarm's hardware is the scarce thing: duplicate
+        # computation costs what it costs only when no core idles), and no parameter averaging, whose rounds
+        # would land on some modes' steps and not others'
+        pipeline = {"average_every": NEVER, "microbatches_per_step": settings.microbatches_per_step}
+        config = load_config(settings.config_path).with_overrides(model=dict(settings.model), pipeline=pipeline)
         config_path = workdir / "swarm.yaml"
         config_path.write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
         (workdir / "identities").mkdir(exist_ok=True, mode=0o700)
