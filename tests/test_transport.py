@@ -421,7 +421,9 @@ def test_truncated_reply_stream_is_unavailable_not_short() -> None:
 def test_deadline_of_a_sleeping_handler_and_nested_deadlines() -> None:
     async def scenario() -> None:
         async with swarm(3) as (a, b, c):
-            c_server, b_server = TensorServer(c, SETTINGS), TensorServer(b, SETTINGS)
+            # the relay keeps a 1 s margin to report a downstream deadline, which a loaded machine needs
+            relay_settings = TransportSettings(hop_margin_s=1.0, drain_timeout_s=2.0)
+            c_server, b_server = TensorServer(c, SETTINGS), TensorServer(b, relay_settings)
             seen_by_b: list[float] = []
 
             async def sleeper(incoming: Incoming) -> Answer:
@@ -437,27 +439,28 @@ def test_deadline_of_a_sleeping_handler_and_nested_deadlines() -> None:
             await c_server.add_handler("sleep", sleeper)
             await b_server.add_handler("relay", relay)
 
+            # bounds are loose where a loaded machine delays replies; what matters is far below the 30 s sleep
             started = time.time()
             with pytest.raises(HopDeadlineExceeded):
                 await call_peer(a, c.peer_id, "sleep", [torch.ones(3)], soon(0.5), settings=SETTINGS)
-            assert time.time() - started < 1.0
+            assert time.time() - started < 5.0
 
             started = time.time()
-            deadline = started + 1.0
+            deadline = started + 3.0
             with pytest.raises(HopDownstreamFailed) as caught:
                 await call_peer(
-                    a, b.peer_id, "relay", [torch.ones(3)], RequestMetadata(deadline=deadline), settings=SETTINGS
+                    a, b.peer_id, "relay", [torch.ones(3)], RequestMetadata(deadline=deadline), settings=relay_settings
                 )
             elapsed = time.time() - started
             assert caught.value.culprit == c.peer_id.to_base58() and caught.value.peer == b.peer_id.to_base58()
             assert caught.value.inner_code == "deadline"
-            assert elapsed < 1.0 + SETTINGS.hop_margin_s
-            assert seen_by_b == [pytest.approx(deadline - SETTINGS.hop_margin_s)]
+            assert elapsed < 3.0 + relay_settings.hop_margin_s
+            assert seen_by_b == [pytest.approx(deadline - relay_settings.hop_margin_s)]
 
             with pytest.raises(HopDeadlineExceeded, match="deadline passed before the call"):
                 await call_peer(a, b.peer_id, "relay", [], soon(-1), settings=SETTINGS)
-            with pytest.raises(HopDeadlineExceeded, match="under the 0.05 s margin"):
-                await call_peer(a, b.peer_id, "relay", [], soon(0.03), settings=SETTINGS)
+            with pytest.raises(HopDeadlineExceeded, match="under the 1.0 s margin"):
+                await call_peer(a, b.peer_id, "relay", [], soon(0.5), settings=SETTINGS)
 
     asyncio.run(scenario())
 
