@@ -203,8 +203,9 @@ class Config(_Strict):
         return self
 
     def swarm_hash(self) -> str:
-        """A short digest of everything peers must agree on (not the simulator or data settings)."""
+        """A short digest of everything peers must agree on (not the simulator, data or per-node settings)."""
         shared = self.model_dump(include={"model", "pipeline", "verification", "swarm"})
+        shared["pipeline"].pop("mixed_precision", None)  # each node picks what its own GPU supports
         blob = json.dumps(shared, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
