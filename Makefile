@@ -20,7 +20,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/sentinel-node simulate --attack constant
+	$(BIN)/sentinel-node demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

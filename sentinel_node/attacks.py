@@ -113,7 +113,9 @@ def adaptive(
 
     if "monitor" not in state:
         if settings is None:
-            raise AttackError("the adaptive attack needs the swarm's verification settings (the simulator passes them)")
+            raise AttackError(
+                "the adaptive attack needs the swarm's verification settings (the simulator passes them)"
+            )
         own = dataclasses.replace(settings, warmup=min(warmup, settings.warmup))
         state["monitor"] = BoundaryMonitor(own, hidden_size=tensor.shape[-1], dtype=tensor.dtype)
     monitor: BoundaryMonitor = state["monitor"]
