@@ -72,7 +72,7 @@ DEFAULT_FLOORS = {
     "l2": 0.05,
     "norm": 0.1,
     "scale": 0.05,
-    "sign_flip": 0.1,
+    "sign_flip": 0.25,
     "wasserstein": 0.05,
     "spectral": 0.05,
 }
@@ -99,7 +99,7 @@ class VerificationConfig(_Strict):
     n_quantiles: int = Field(33, ge=3, description="quantile levels per projection")
     spectral_rank: int = Field(4, ge=1, description="singular values counted as the tensor's dominant energy")
     window: int = Field(128, ge=8, description="accepted scores kept per metric for the adaptive threshold")
-    fence_k: float = Field(5.0, gt=0, description="threshold = Q3 + k * IQR")
+    fence_k: float = Field(5.5, gt=0, description="threshold = Q3 + k * IQR")
     fence_spaces: dict[str, Literal["relative_log", "linear"]] = Field(
         default_factory=lambda: dict(DEFAULT_FENCE_SPACES),
         description="per metric: fence on log(1 + score / median) for heavy-tailed distances, raw for bounded ones",
@@ -115,6 +115,9 @@ class VerificationConfig(_Strict):
     drift_window: int = Field(32, ge=0, description="checks per sender in the persistent-drift test (0 disables it)")
     drift_limit: float = Field(
         0.5, gt=0, description="mean log-excess over the median that a sender may sustain over the drift window"
+    )
+    shift_window: int = Field(
+        64, ge=0, description="checks per boundary in which a shift of most senders together strikes no one (0: off)"
     )
     replacement: Literal["ema", "zero", "drop"] = Field(
         "drop", description="what replaces a flagged activation (downstream replicas trained on EMA noise drift)"

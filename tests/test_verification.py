@@ -531,3 +531,44 @@ def test_drift_with_an_empty_window_is_disabled():
     drift = DriftTest(window=0, limit=0.5)
     assert not drift.enabled
     assert not any(drift.observe("hugger", 2.0) for _ in range(100))
+
+
+# --- boundary-wide shifts ------------------------------------------------------------------------------------------
+
+
+def test_a_shift_of_most_senders_together_is_widespread():
+    from sentinel_node.verification.shift import BoundaryShift
+
+    shift = BoundaryShift(window=32)
+    for _ in range(4):
+        for sender in ("a", "b", "c", "d"):
+            shift.observe(sender, flagged=sender in ("a", "b"))
+    assert shift.widespread()
+
+
+def test_one_cheating_sender_and_a_single_honest_glitch_are_not_widespread():
+    from sentinel_node.verification.shift import BoundaryShift
+
+    shift = BoundaryShift(window=32)
+    for i in range(6):
+        for sender in ("cheat", "b", "c", "d"):
+            shift.observe(sender, flagged=sender == "cheat" or (sender == "b" and i == 3))
+    assert not shift.widespread()
+
+
+def test_a_flag_during_a_boundary_wide_shift_strikes_no_one(streams):
+    monitor = BoundaryMonitor(settings("activation", shift_window=16), HIDDEN, expected_shape=SHAPE)
+    senders = ("a", "b", "c", "d")
+    for i, tensor in enumerate(streams.activations[:WARMUP]):
+        monitor.check(tensor, senders[i % 4])
+    zeros = torch.zeros(SHAPE)
+    seen = []  # the sender's record is live: read its strikes right after each check
+    for i in range(6):
+        verdict = monitor.check(zeros, senders[i % 2])
+        seen.append((verdict.flagged, verdict.sender.strikes, "no strike" in verdict.reason))
+    # a and b flagged twice each: half the senders moved together from the fourth flag on, so no more strikes
+    assert seen == [(True, 1, False), (True, 1, False), (True, 2, False)] + [
+        (True, 1, True),
+        (True, 2, True),
+        (True, 1, True),
+    ]

@@ -10,6 +10,7 @@ from sentinel_node.verification.baseline import EmaBaseline
 from sentinel_node.verification.drift import DriftTest
 from sentinel_node.verification.metrics import METRICS
 from sentinel_node.verification.profile import Profiler
+from sentinel_node.verification.shift import BoundaryShift
 from sentinel_node.verification.strikes import SenderRecord, StrikeLedger
 from sentinel_node.verification.thresholds import AdaptiveThreshold
 
@@ -34,6 +35,7 @@ class MonitorSettings:
     forgive_after: int
     drift_window: int
     drift_limit: float
+    shift_window: int
     replacement: str
     seed: int
 
@@ -95,6 +97,7 @@ class BoundaryMonitor:
             for name in METRICS
         }
         self.drift = DriftTest(settings.drift_window, settings.drift_limit)
+        self.shift = BoundaryShift(settings.shift_window)
         self.ledger = ledger if ledger is not None else StrikeLedger(settings.strike_limit, settings.forgive_after)
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.accepted = 0
@@ -127,11 +130,11 @@ class BoundaryMonitor:
             )
 
         over = [name for name in METRICS if scores[name] > limits[name]]
-        if over:
-            return self._flag(tensor, sender, "metric:" + ",".join(over), scores, limits)
         severity = max(self.thresholds[name].severity(scores[name]) for name in METRICS)
-        if self.drift.observe(sender, severity):
-            return self._flag(tensor, sender, "drift", scores, limits)
+        reason = "metric:" + ",".join(over) if over else "drift" if self.drift.observe(sender, severity) else None
+        self.shift.observe(sender, reason is not None)
+        if reason is not None:
+            return self._flag(tensor, sender, reason, scores, limits, strike=not self.shift.widespread())
         self._accept(profile, scores)
         return Verdict(False, None, tensor, scores, limits, sender=self.ledger.record(sender, False))
 
@@ -155,14 +158,15 @@ class BoundaryMonitor:
         reason: str,
         scores: dict[str, float] | None = None,
         limits: dict[str, float] | None = None,
+        strike: bool = True,
     ) -> Verdict:
         return Verdict(
             flagged=True,
-            reason=reason,
+            reason=reason if strike else f"{reason} (boundary-wide shift: no strike)",
             tensor=self._replace(tensor),
             scores=scores or {},
             thresholds=limits or {},
-            sender=self.ledger.record(sender, True),
+            sender=self.ledger.record(sender, True) if strike else self.ledger.peek(sender),
         )
 
     def _accept(self, profile, scores: dict[str, float]) -> None:

@@ -40,6 +40,10 @@ class StrikeLedger:
                 rec.clean_streak = 0
         return rec
 
+    def peek(self, sender: str) -> SenderRecord:
+        """The sender's record, counting nothing."""
+        return self.senders.setdefault(sender, SenderRecord())
+
     def is_banned(self, sender: str) -> bool:
         rec = self.senders.get(sender)
         return rec is not None and rec.banned
