@@ -31,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from sentinel_node.config import Config, load_config
+from sentinel_node.roles.common import descendants
 
 DEMO_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 CLI = [sys.executable, "-c", "from sentinel_node.cli import main; main()"]
@@ -215,23 +216,6 @@ class LocalSwarm:
             started = start_time(pid)
             if started is not None:
                 self._descendants[pid] = started
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, frontier = [], [pid]
-    while frontier:
-        kids = children.get(frontier.pop(), [])
-        found += kids
-        frontier += kids
-    return found
 
 
 def start_time(pid: int) -> int | None:

@@ -159,7 +159,7 @@ def stop_dht(dht: hivemind.DHT) -> None:
     """Shuts the DHT process (and its p2pd) down; kills what a stuck shutdown leaves behind."""
     if dht.pid is None:
         return  # never started
-    orphans = _descendants(dht.pid)
+    orphans = descendants(dht.pid)
     dht.shutdown()
     dht.join(timeout=5)
     deadline = time.monotonic() + 2
@@ -216,7 +216,7 @@ class StopSignals:
         self.event.set()
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (from /proc; empty where there is none)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").glob("[0-9]*"):
