@@ -20,6 +20,7 @@ from sentinel_node.attacks import BASIC_ATTACKS, CATALOGUE, load_attack_file, ma
 from sentinel_node.config import Config
 from sentinel_node.model import Corpus, load_corpus
 from sentinel_node.sim import AttackPlan, Mesh, SimResult
+from sentinel_node.sim.run import attack_plan
 
 logger = get_logger(__name__)
 
@@ -54,19 +55,14 @@ def cases(attacks: list[str] | None, attack_file: str | None) -> list[Case]:
         return selected + [Case(a, t) for a in attacks or [] for t in TARGETS]
     names = attacks or [*BASIC_ATTACKS, "mixed", "adaptive"]
     for name in names:
-        make_attack(name) if name != "adaptive" else None  # unknown names fail with the catalogue listed
+        make_attack(name)  # unknown names fail here, with the catalogue listed
     return [Case(name, t) for name in names for t in TARGETS]
 
 
 def _plan(case: Case, config: Config) -> AttackPlan:
-    def make(direction: str):
-        if case.attack_file is not None:
-            return load_attack_file(case.attack_file)[1]
-        if case.name == "adaptive":
-            return make_attack("adaptive", settings=config.verification.monitor_settings(direction, config.swarm.seed))
-        return make_attack(case.name)
-
-    return AttackPlan(case.name, case.target, make)
+    if case.attack_file is not None:
+        return attack_plan(config, None, case.attack_file, case.target)
+    return attack_plan(config, case.name, None, case.target)
 
 
 def _run(args: tuple[Config, Corpus, Case | None, bool]) -> SimResult:

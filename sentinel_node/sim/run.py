@@ -21,7 +21,7 @@ def attack_plan(config: Config, attack: str | None, attack_file: str | None, tar
         return AttackPlan(name, target, lambda direction: fn)
     if attack is None:
         return None
-    make_attack(attack) if attack != "adaptive" else None  # an unknown name fails here, with the catalogue listed
+    make_attack(attack)  # an unknown name fails here, with the catalogue listed
 
     def make(direction: str):
         if attack == "adaptive":
