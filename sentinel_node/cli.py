@@ -62,7 +62,24 @@ def _pipeline_options(command):
     """Options of the stage, verifier and trainer roles (ignored by the others)."""
     options = [
         click.option("--stage", type=click.IntRange(min=0), help="stage: which stage of the model to hold (0-based)."),
-        click.option("--device", default="cpu", show_default=True, help="stage: torch device, e.g. cuda:0."),
+        click.option(
+            "--device",
+            default="auto",
+            show_default=True,
+            help="stage: torch device: auto (CUDA when visible, else cpu), cpu, cuda or cuda:N.",
+        ),
+        click.option(
+            "--state-dir",
+            type=click.Path(file_okay=False),
+            help="stage: keep checkpoints here; resume from the newest on start (default: none kept).",
+        ),
+        click.option(
+            "--checkpoint-every",
+            type=click.IntRange(min=1),
+            default=10,
+            show_default=True,
+            help="stage: global steps between checkpoints (one is also saved on shutdown).",
+        ),
         click.option("--attack", help="stage, red team: corrupt what it sends with this attack from the catalogue."),
         click.option("--attack-file", help="stage, red team: an attack of your own, PATH.py:NAME."),
         click.option(
@@ -141,7 +158,14 @@ def _role_settings(role: str, opts: dict) -> dict:
                 start=opts["attack_start"],
                 probability=opts["attack_probability"],
             )
-        settings = StageOptions(opts["stage"], attack, opts["device"], opts["status_file"])
+        settings = StageOptions(
+            opts["stage"],
+            attack,
+            opts["device"],
+            opts["status_file"],
+            state_dir=opts["state_dir"],
+            checkpoint_every=opts["checkpoint_every"],
+        )
         return {"settings": settings}
     if role == "verifier":
         from sentinel_node.roles.verifier import VerifierOptions
@@ -191,6 +215,12 @@ def _role_settings(role: str, opts: dict) -> dict:
     help="Multiaddrs to listen on, e.g. /ip4/0.0.0.0/tcp/31337 for a fixed port.",
 )
 @click.option("--announce-maddrs", multiple=True, help="Public multiaddrs to tell others (behind NAT or Docker).")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    envvar="SENTINEL_METRICS_PORT",
+    help="Serve Prometheus metrics on this port (0: any free port; default: off).",
+)
 @_pipeline_options
 def join(
     role: str,
@@ -199,6 +229,7 @@ def join(
     initial_peers: tuple[str, ...],
     host_maddrs: tuple[str, ...],
     announce_maddrs: tuple[str, ...],
+    metrics_port: int | None,
     **role_options,
 ) -> None:
     """Run a node of the swarm in ROLE until SIGTERM or Ctrl-C (a trainer with --steps ends after them)."""
@@ -214,6 +245,7 @@ def join(
         initial_peers=_maddrs(initial_peers, "--initial-peers"),
         host_maddrs=_maddrs(host_maddrs, "--host-maddrs"),
         announce_maddrs=_maddrs(announce_maddrs, "--announce-maddrs"),
+        metrics_port=metrics_port,
     )
     extra = _role_settings(role, role_options)
     from hivemind.utils.logging import use_hivemind_log_handler

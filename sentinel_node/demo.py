@@ -19,6 +19,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,8 @@ class NodeProcess:
     identity_path: Path
     peer_id: str | None = None
     maddrs: list[str] = field(default_factory=list)
+    metrics_port: int | None = None
+    command: list[str] = field(default_factory=list, repr=False)
     lines: queue.Queue = field(default_factory=queue.Queue, repr=False)
     output: list[str] = field(default_factory=list, repr=False)
 
@@ -123,14 +126,15 @@ class LocalSwarm:
     def identity(self, name: str) -> Path:
         return self.workdir / "identities" / f"{name}.key"
 
-    def start(self, name: str, role: str, *args: str) -> NodeProcess:
-        """Starts a node (without waiting for it); its stderr goes to ``logs/NAME.log``."""
+    def start(self, name: str, role: str, *args: str, metrics: bool = False) -> NodeProcess:
+        """Starts a node (without waiting for it); its stderr goes to ``logs/NAME.log``. With ``metrics``, it
+        serves Prometheus metrics on a free port of this machine (``node.metrics_port``)."""
         if name in self.nodes:
             raise ValueError(f"a node named {name} was already started")
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         (self.workdir / "status").mkdir(parents=True, exist_ok=True)
-        log_path = self.workdir / "logs" / f"{name}.log"
         status_path = self.workdir / "status" / f"{name}.json"
+        metrics_port = free_port() if metrics else None
         command = [
             *CLI,
             "join",
@@ -144,9 +148,26 @@ class LocalSwarm:
             LOOPBACK,
             *(["--initial-peers", *self.initial_peers] if self.initial_peers else []),
             *([] if role == "bootstrap" else ["--status-file", str(status_path)]),
+            *([] if metrics_port is None else ["--metrics-port", str(metrics_port)]),
             *args,
         ]
-        with log_path.open("w") as log:
+        node = self._launch(name, role, command, status_path)
+        node.metrics_port = metrics_port
+        return node
+
+    def restart(self, name: str) -> NodeProcess:
+        """Starts a stopped node again with the same command (identity, state directory, metrics port)."""
+        old = self.nodes.pop(name)
+        if old.alive:
+            self.nodes[name] = old
+            raise ValueError(f"{name} is still running; stop it first")
+        node = self._launch(name, old.role, old.command, old.status_path)
+        node.metrics_port = old.metrics_port
+        return node
+
+    def _launch(self, name: str, role: str, command: list[str], status_path: Path) -> NodeProcess:
+        log_path = self.workdir / "logs" / f"{name}.log"
+        with log_path.open("a") as log:
             process = subprocess.Popen(
                 command,
                 stdout=subprocess.PIPE,
@@ -156,7 +177,7 @@ class LocalSwarm:
                 start_new_session=True,  # its own process group: stopping it reaches its DHT child and p2pd
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
-        node = NodeProcess(name, role, process, log_path, status_path, self.identity(name))
+        node = NodeProcess(name, role, process, log_path, status_path, self.identity(name), command=command)
         threading.Thread(target=node._pump, name=f"pump-{name}", daemon=True).start()
         self.nodes[name] = node
         return node
@@ -218,6 +239,13 @@ class LocalSwarm:
                 self._descendants[pid] = started
 
 
+def free_port() -> int:
+    """A TCP port free on this machine a moment ago (the node binds it soon after; a clash fails its start)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def start_time(pid: int) -> int | None:
     """When ``pid`` started (clock ticks after boot), which tells a process from a later one with its pid."""
     try:
@@ -258,6 +286,9 @@ class DemoSettings:
     verify: bool = True  # False: verifiers relay without checking
     microbatch_timeout: float = 20.0
     consensus_timeout: float = 20.0  # seconds to wait, after training, for every node to see the exclusion
+    metrics: bool = True  # every node serves Prometheus metrics on a free port
+    state: bool = False  # stages keep checkpoints in WORKDIR/state/NAME
+    checkpoint_every: int = 10
 
 
 @dataclass
@@ -328,7 +359,7 @@ class Demo:
     def start(self) -> None:
         """Writes the swarm config (trusting the verifiers it creates identities for) and starts every node but
         the trainer."""
-        from dht import create_identity_file
+        from dht import create_identity_file, load_identity_file
 
         settings = self.settings
         base = load_config(settings.config_path)
@@ -336,12 +367,16 @@ class Demo:
             raise ValueError("with an attacker, every stage needs at least 2 replicas so an honest one remains")
         (self.workdir / "identities").mkdir(parents=True, exist_ok=True, mode=0o700)
         self.swarm = LocalSwarm(self.workdir, self.workdir / "swarm.yaml")
-        verifier_ids = [create_identity_file(self.swarm.identity(name)).peer_id for name in self.verifier_names()]
+        verifier_ids = []
+        for name in self.verifier_names():  # a workdir used before keeps its identities
+            path = self.swarm.identity(name)
+            identity = load_identity_file(path) if path.exists() else create_identity_file(path)
+            verifier_ids.append(identity.peer_id)
         self.config = base.with_overrides(swarm={"trusted_verifiers": verifier_ids, "ban_quorum": 1})
         (self.workdir / "swarm.yaml").write_text(yaml.safe_dump(self.config.model_dump(), sort_keys=False))
 
         self.echo(f"starting a local swarm in {self.workdir}")
-        bootstrap = self.swarm.start("bootstrap", "bootstrap")
+        bootstrap = self.swarm.start("bootstrap", "bootstrap", metrics=settings.metrics)
         self.swarm.wait_ready([bootstrap], settings.start_timeout)
         nodes = []
         for name in self.stage_names():
@@ -356,9 +391,13 @@ class Demo:
                     "--attack-start",
                     str(settings.attack_start),
                 ]
-            nodes.append(self.swarm.start(name, "stage", *args))
+            if settings.state:
+                args += ["--state-dir", str(self.state_dir(name))]
+                args += ["--checkpoint-every", str(settings.checkpoint_every)]
+            nodes.append(self.swarm.start(name, "stage", *args, metrics=settings.metrics))
         for name in self.verifier_names():
-            nodes.append(self.swarm.start(name, "verifier", *([] if settings.verify else ["--no-verify"])))
+            verify = [] if settings.verify else ["--no-verify"]
+            nodes.append(self.swarm.start(name, "verifier", *verify, metrics=settings.metrics))
         self.swarm.wait_ready(nodes, settings.start_timeout)
         self.attacker = self.peer(self.attacker_name()) if self.attacker_name() else None
         n_stages = self.config.pipeline.n_stages
@@ -372,16 +411,24 @@ class Demo:
             )
             + f" ({time.monotonic() - self.started:.0f}s)"
         )
+        for name, node in self.swarm.nodes.items():
+            if node.metrics_port is not None:
+                self.echo(f"  {name:<10} metrics: curl http://127.0.0.1:{node.metrics_port}/metrics")
+
+    def state_dir(self, name: str) -> Path:
+        return self.workdir / "state" / name
 
     # --- training
 
-    def train(self, on_step: Callable[[dict], None] | None = None, steps: int | None = None) -> dict:
-        """Runs the trainer to the end with a live view; returns its summary. ``on_step`` sees each step's record
-        (e.g. to kill a node mid-run)."""
+    def train(
+        self, on_step: Callable[[dict], None] | None = None, steps: int | None = None, name: str = "trainer"
+    ) -> dict:
+        """Runs a trainer (named ``name``) to the end with a live view; returns its summary. ``on_step`` sees each
+        step's record (e.g. to kill a node mid-run). A later trainer resumes at the swarm's step."""
         steps = self.settings.steps if steps is None else steps
-        metrics = self.workdir / "trainer-metrics.jsonl"
+        metrics = self.workdir / f"{name}-metrics.jsonl"
         trainer = self.swarm.start(
-            "trainer",
+            name,
             "trainer",
             "--steps",
             str(steps),
@@ -392,8 +439,11 @@ class Demo:
             "--metrics-out",
             str(metrics),
             "--no-progress",
+            metrics=self.settings.metrics,
         )
         self.swarm.wait_ready([trainer], self.settings.start_timeout)
+        if trainer.metrics_port is not None:
+            self.echo(f"  {name:<10} metrics: curl http://127.0.0.1:{trainer.metrics_port}/metrics")
         self.echo(f"{'step':>4} {'loss':>7} {'val':>7} {'tok/s':>7} {'flags':>5} {'strikes':>7}  excluded")
         for record in follow_json_lines(metrics, trainer):
             if record.get("event") == "validation":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -19,10 +20,12 @@ import torch
 from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
 from hivemind.proto.runtime_pb2 import Tensor as WireTensor
 from hivemind.utils import get_dht_time
+from prometheus_client.parser import text_string_to_metric_families
 
 from dht import Identity, StageAnnouncement, VerifierAnnouncement, create_identity_file, load_identity_file
 from sentinel_node.demo import Demo, DemoSettings
 from sentinel_node.roles.common import record_store, start_dht, stop_dht
+from sentinel_node.roles.metrics import METRICS
 from sentinel_node.roles.runtime import STAGE_FORWARD, VERIFIER_RELAY, PipelineRequest, Shapes, transport_settings
 from sentinel_node.transport import (
     Hop,
@@ -41,6 +44,8 @@ STEPS = 30
 ATTACK_START = 12
 KILL_STAGE_AT = 6  # stage2-1, SIGKILL
 KILL_VERIFIER_AT = 22  # verifier1, SIGKILL (after both verifiers banned the attacker)
+SCRAPE_AT = (3, 16)  # Prometheus scrapes of live nodes while they train (and one more after training)
+SCRAPED = ("bootstrap", "stage1-0", "verifier0", "trainer")
 
 pytestmark = pytest.mark.slow
 
@@ -56,16 +61,65 @@ def demo(tmp_path_factory) -> Iterator[Demo]:
     )
     with Demo(settings) as running:
         running.start()
+        running.scrapes = {}
 
         def chaos(record: dict) -> None:
+            if record["step"] in SCRAPE_AT:
+                running.scrapes[record["step"]] = {name: scrape(running.node(name)) for name in SCRAPED}
             if record["step"] == KILL_STAGE_AT:
                 running.swarm.kill("stage2-1")
             elif record["step"] == KILL_VERIFIER_AT:
                 running.swarm.kill("verifier1")
 
         running.train(on_step=chaos)
+        running.scrapes["after"] = {name: scrape(running.node(name)) for name in SCRAPED if name != "trainer"}
         running.result = running.summary()
         yield running
+
+
+def scrape(node) -> dict[tuple, float]:
+    """A node's metrics as {(name, label values in their declared order...): value}, read the way Prometheus
+    reads them."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    return {
+        (sample.name, *(sample.labels[label] for label in METRICS[family.name].labels)): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def total(metrics: dict[tuple, float], name: str) -> float:
+    return sum(value for key, value in metrics.items() if key[0] == name)
+
+
+def test_metrics_of_live_nodes_move_while_they_train(demo):
+    early, late, after = (demo.scrapes[key] for key in (*SCRAPE_AT, "after"))
+    for name in SCRAPED:
+        role = demo.node(name).role
+        assert late[name][("sentinel_node_info", role, demo.peer(name))] == 1, late[name]
+        assert late[name][("sentinel_dht_peers",)] >= 1
+    verifier, trainer, stage = (late[n] for n in ("verifier0", "trainer", "stage1-0"))
+    # checks per boundary and direction, counted as they happen
+    for boundary in ("0", "1"):
+        for direction in ("activation", "gradient"):
+            key = ("sentinel_checks_total", boundary, direction)
+            assert verifier[key] > early["verifier0"][key] > 0, (key, early["verifier0"], verifier)
+    assert total(trainer, "sentinel_microbatches_total") > total(early["trainer"], "sentinel_microbatches_total")
+    assert trainer[("sentinel_microbatches_total", "succeeded")] >= 4 * SCRAPE_AT[1]
+    served = ("sentinel_microbatches_total", "served")
+    assert stage[served] > early["stage1-0"][served]
+    assert trainer[("sentinel_global_step",)] == SCRAPE_AT[1]
+    assert stage[("sentinel_global_step",)] >= SCRAPE_AT[1] - 1
+    assert trainer[("sentinel_tokens_per_second",)] > 0 and 0 < trainer[("sentinel_loss", "train")] < 10
+    assert trainer[("sentinel_swarm_peers", "stage")] >= 5 and trainer[("sentinel_swarm_peers", "verifier")] == 2
+    # the attack (from step ATTACK_START) is flagged, struck and ends in a ban and a swarm-wide exclusion
+    flags = total(after["verifier0"], "sentinel_flags_total")
+    assert flags > total(early["verifier0"], "sentinel_flags_total") == 0
+    assert total(after["verifier0"], "sentinel_strikes_issued_total") >= 1
+    assert after["verifier0"][("sentinel_peers_banned",)] >= 1 or after["verifier0"][("sentinel_peers_excluded",)] >= 1
+    assert after["stage1-0"][("sentinel_peers_excluded",)] == 1
 
 
 def test_honest_phase_trains_and_nobody_is_struck(demo):

@@ -96,6 +96,55 @@ def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def capture_state(worker: StageWorker, step: int, config_hash: str) -> dict[str, Any]:
+    """The worker's state after global step ``step``, as a checkpoint holds it (tensors are the live ones: copy or
+    serialize them before the worker steps again)."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "stage": worker.stage,
+        "n_stages": worker.n_stages,
+        "config_hash": config_hash,
+        "optimizer_name": worker.optimizer_name,
+        "optimizer_steps": worker.steps,
+        "model": dict(worker.module.state_dict()),
+        "optimizer": worker.optimizer.state_dict(),
+    }
+
+
+def restore_state(
+    worker: StageWorker, payload: Any, origin: str, config_hash: str, fix: str, any_optimizer: bool = False
+) -> int:
+    """Loads a captured state into ``worker`` and returns its step; :class:`CheckpointError` (naming ``origin``,
+    e.g. "checkpoint PATH", and suggesting ``fix`` where the state is damaged) leaves the worker untouched.
+
+    ``any_optimizer``: a state kept by another optimizer (a GPU replica's 8-bit AdamW, for a CPU replica) loads its
+    parameters and leaves the optimizer fresh, instead of being refused.
+    """
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{origin} is not a sentinel-node stage checkpoint; {fix}")
+    with_optimizer = payload.get("optimizer_name") == worker.optimizer_name or not any_optimizer
+    _check(payload, origin, worker, config_hash, fix, with_optimizer)
+    if with_optimizer:
+        try:
+            # first: it validates before it changes anything, and _check has already vetted the parameters
+            worker.optimizer.load_state_dict(payload["optimizer"])
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"{origin}: optimizer state does not load ({e}); {fix}") from None
+    else:
+        logger.warning(
+            f"{origin} holds {payload['optimizer_name']} state, this node uses {worker.optimizer_name}: "
+            "loading its parameters only (the optimizer's moments start afresh)"
+        )
+    worker.module.load_state_dict(payload["model"])
+    worker.optimizer.zero_grad(set_to_none=True)
+    worker._pending.clear()
+    worker.accumulated = 0
+    worker.steps = payload["optimizer_steps"]
+    return payload["step"]
+
+
 def save_checkpoint(worker: StageWorker, directory: str | Path, step: int, config_hash: str, keep: int = 2) -> Path:
     """Writes the worker's state after global step `step` atomically; returns the checkpoint's path.
 
@@ -114,18 +163,7 @@ def save_checkpoint(worker: StageWorker, directory: str | Path, step: int, confi
             f"checkpoint at step {step} leaves out {worker.accumulated} accumulated and "
             f"{len(worker._pending)} pending microbatches (they belong to a step not yet applied)"
         )
-    payload = {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": step,
-        "stage": worker.stage,
-        "n_stages": worker.n_stages,
-        "config_hash": config_hash,
-        "optimizer_name": worker.optimizer_name,
-        "optimizer_steps": worker.steps,
-        "model": dict(worker.module.state_dict()),
-        "optimizer": worker.optimizer.state_dict(),
-    }
+    payload = capture_state(worker, step, config_hash)
     _remove_stale_temporaries(directory)
     final = checkpoint_path(directory, step)
     # mkstemp creates the file 0600: the owner alone may read or replace a node's weights
@@ -164,17 +202,9 @@ def load_checkpoint(worker: StageWorker, directory: str | Path, config_hash: str
         else f"move {path} away to start this stage from scratch"
     )
     payload = _read(path, fix)
-    _check(payload, path, step, worker, config_hash, fix)
-    try:
-        # first: it validates before it changes anything, and _check has already vetted the parameters
-        worker.optimizer.load_state_dict(payload["optimizer"])
-    except (ValueError, KeyError, TypeError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint {path}: optimizer state does not load ({e}); {fix}") from None
-    worker.module.load_state_dict(payload["model"])
-    worker.optimizer.zero_grad(set_to_none=True)
-    worker._pending.clear()
-    worker.accumulated = 0
-    worker.steps = payload["optimizer_steps"]
+    if isinstance(payload, dict) and isinstance(payload.get("step"), int) and payload["step"] != step:
+        raise CheckpointError(f"checkpoint {path} records step {payload['step']}, not the step in its name; {fix}")
+    restore_state(worker, payload, f"checkpoint {path}", config_hash, fix)
     logger.info(f"stage {worker.stage}: resumed from checkpoint {path} (global step {step})")
     return step
 
@@ -189,50 +219,49 @@ def _read(path: Path, fix: str) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {path} is corrupt or not a sentinel-node checkpoint ({reason}); {fix}"
         ) from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path} is not a sentinel-node stage checkpoint; {fix}")
     return payload
 
 
-def _check(payload: dict[str, Any], path: Path, step: int, worker: StageWorker, config_hash: str, fix: str) -> None:
+def _check(
+    payload: dict[str, Any], origin: str, worker: StageWorker, config_hash: str, fix: str, with_optimizer: bool
+) -> None:
     """Everything that would make the checkpoint wrong for this worker, before any of it is changed."""
     missing = [key for key in _REQUIRED if key not in payload]
     if missing:
-        raise CheckpointError(f"checkpoint {path} is incomplete: it lacks {', '.join(missing)}; {fix}")
+        raise CheckpointError(f"{origin} is incomplete: it lacks {', '.join(missing)}; {fix}")
     wrong = [
         f"{key} ({type(payload[key]).__name__})" for key, kind in _REQUIRED.items() if not _is(payload[key], kind)
     ]
     if wrong:
-        raise CheckpointError(f"checkpoint {path} is corrupt: wrong type of {', '.join(wrong)}; {fix}")
+        raise CheckpointError(f"{origin} is corrupt: wrong type of {', '.join(wrong)}; {fix}")
     if payload["version"] != VERSION:
         raise CheckpointError(
-            f"checkpoint {path} has format version {payload['version']}, this node reads version {VERSION}; "
+            f"{origin} has format version {payload['version']}, this node reads version {VERSION}; "
             "use the sentinel-node release that wrote it, or move it away to start from scratch"
         )
-    if payload["step"] != step:
-        raise CheckpointError(f"checkpoint {path} records step {payload['step']}, not the step in its name; {fix}")
     elsewhere = "give each stage its own checkpoint directory, or move the file away to start from scratch"
     if payload["n_stages"] != worker.n_stages or payload["stage"] != worker.stage:
         raise CheckpointError(
-            f"checkpoint {path} holds stage {payload['stage']} of {payload['n_stages']}, but this node serves stage "
+            f"{origin} holds stage {payload['stage']} of {payload['n_stages']}, but this node serves stage "
             f"{worker.stage} of {worker.n_stages}; {elsewhere}"
         )
     if payload["config_hash"] != config_hash:
         raise CheckpointError(
-            f"checkpoint {path} was written under swarm config {payload['config_hash']}, this node runs config "
+            f"{origin} was written under swarm config {payload['config_hash']}, this node runs config "
             f"{config_hash}; rejoin with the config that wrote it, or move the file away to start from scratch"
         )
-    if payload["optimizer_name"] != worker.optimizer_name:
+    if with_optimizer and payload["optimizer_name"] != worker.optimizer_name:
         raise CheckpointError(
-            f"checkpoint {path} holds {payload['optimizer_name']} state, this node uses {worker.optimizer_name} "
+            f"{origin} holds {payload['optimizer_name']} state, this node uses {worker.optimizer_name} "
             f"(on {worker.device}); resume on a device with the same optimizer, or move the file away to start from "
             "scratch"
         )
-    _check_tensors(payload["model"], worker.module.state_dict(), path, fix)
-    _check_optimizer(payload["optimizer"], worker.optimizer, path, fix)
+    _check_tensors(payload["model"], worker.module.state_dict(), origin, fix)
+    if with_optimizer:
+        _check_optimizer(payload["optimizer"], worker.optimizer, origin, fix)
 
 
-def _check_tensors(saved: dict, current: dict, path: Path, fix: str) -> None:
+def _check_tensors(saved: dict, current: dict, origin: str, fix: str) -> None:
     missing = sorted(set(current) - set(saved))
     extra = sorted(set(saved) - set(current))
     if missing or extra:
@@ -240,46 +269,46 @@ def _check_tensors(saved: dict, current: dict, path: Path, fix: str) -> None:
             [f"unexpected {', '.join(extra[:5])}"] if extra else []
         )
         raise CheckpointError(
-            f"checkpoint {path} does not fit this stage's parameters ({'; '.join(parts)}): it was written for "
+            f"{origin} does not fit this stage's parameters ({'; '.join(parts)}): it was written for "
             "another model; move it away to start from scratch"
         )
     for name, tensor in current.items():
         value = saved[name]
         if not isinstance(value, torch.Tensor):
-            raise CheckpointError(f"checkpoint {path} is corrupt: {name} is not a tensor; {fix}")
+            raise CheckpointError(f"{origin} is corrupt: {name} is not a tensor; {fix}")
         if value.shape != tensor.shape:
             raise CheckpointError(
-                f"checkpoint {path}: parameter {name} has shape {tuple(value.shape)}, this stage's has "
+                f"{origin}: parameter {name} has shape {tuple(value.shape)}, this stage's has "
                 f"{tuple(tensor.shape)} (a different model config); move it away to start from scratch"
             )
         if value.is_floating_point() != tensor.is_floating_point():
-            raise CheckpointError(f"checkpoint {path} is corrupt: {name} has dtype {value.dtype}; {fix}")
+            raise CheckpointError(f"{origin} is corrupt: {name} has dtype {value.dtype}; {fix}")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise CheckpointError(f"{origin} is corrupt: {name} holds NaN or infinite values; {fix}")
 
 
-def _check_optimizer(saved: dict, optimizer: torch.optim.Optimizer, path: Path, fix: str) -> None:
+def _check_optimizer(saved: dict, optimizer: torch.optim.Optimizer, origin: str, fix: str) -> None:
     groups, state = saved.get("param_groups"), saved.get("state")
     if not isinstance(groups, list) or not isinstance(state, dict) or not all(isinstance(g, dict) for g in groups):
-        raise CheckpointError(f"checkpoint {path} is corrupt: its optimizer state lacks param_groups or state; {fix}")
+        raise CheckpointError(f"{origin} is corrupt: its optimizer state lacks param_groups or state; {fix}")
     sizes = [len(g.get("params", ())) for g in groups]
     expected = [len(g["params"]) for g in optimizer.param_groups]
     if sizes != expected:
         raise CheckpointError(
-            f"checkpoint {path}: optimizer groups hold {sizes} parameters, this stage's hold {expected}; "
+            f"{origin}: optimizer groups hold {sizes} parameters, this stage's hold {expected}; "
             "move it away to start from scratch"
         )
     saved_ids = [i for g in groups for i in g["params"]]
     params = dict(zip(saved_ids, (p for g in optimizer.param_groups for p in g["params"]), strict=True))
     for index, values in state.items():
         if index not in params or not isinstance(values, dict):
-            raise CheckpointError(
-                f"checkpoint {path} is corrupt: optimizer state for unknown parameter {index}; {fix}"
-            )
+            raise CheckpointError(f"{origin} is corrupt: optimizer state for unknown parameter {index}; {fix}")
         # torch AdamW's moments have their parameter's shape (bitsandbytes' quantized states need not)
         for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
             value = values.get(key)
             if isinstance(value, torch.Tensor) and value.shape != params[index].shape:
                 raise CheckpointError(
-                    f"checkpoint {path}: optimizer {key} of parameter {index} has shape {tuple(value.shape)}, "
+                    f"{origin}: optimizer {key} of parameter {index} has shape {tuple(value.shape)}, "
                     f"expected {tuple(params[index].shape)}; {fix}"
                 )
 

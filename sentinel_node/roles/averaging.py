@@ -7,22 +7,30 @@ peers that ask to join a group it leads, (2) refuses to run all-reduce in a grou
 an excluded peer). :class:`ReplicaAverager` keeps the stage's parameters out of the averager's shared memory: it
 averages a snapshot and applies the change (average - snapshot), so optimizer steps taken while a round runs are
 not lost.
+
+State sharing: a replica that joins a stage downloads the current state (parameters, optimizer moments, global
+step) from live replicas the swarm view names, never from whoever the DHT's averager list puts first (an
+excluded peer could be there); excluded peers are refused a download in turn.
 """
 
-from collections.abc import Iterable
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
 
 # hivemind's ServicerBase recognises a streaming handler only by typing.AsyncIterator (collections.abc's generic
 # alias has no _name): with the other one, callers await a generator and every join request fails.
-from typing import AsyncIterator  # noqa: UP035
+from typing import Any, AsyncIterator  # noqa: UP035
 
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException
-from hivemind.p2p import P2PContext
+from hivemind.compression import deserialize_tensor_stream
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_logger
+from hivemind.utils import MPFuture, get_logger
+
+StateProvider = Callable[[], tuple[Any, Sequence[torch.Tensor]]]
 
 logger = get_logger(__name__)
 
@@ -34,6 +42,7 @@ class ExcludingAverager(DecentralizedAverager):
         super().__init__(*args, **kwargs)
         self._excluded: frozenset[str] = frozenset()  # read in the averager's process
         self._excluded_sent: frozenset[str] = frozenset()  # what this (the parent) process last sent it
+        self.state_provider: StateProvider | None = None  # called in this (the parent) process
 
     def set_excluded(self, peers: Iterable[str]) -> None:
         """Called in the owner's process; takes effect in the averager's process within a moment."""
@@ -53,6 +62,55 @@ class ExcludingAverager(DecentralizedAverager):
             return
         async for response in super().rpc_join_group(request, context):
             yield response
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if context.remote_id.to_base58() in self._excluded:
+            return
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:
+        if self.state_provider is None:
+            raise RuntimeError("this replica has no state to share yet")
+        metadata, tensors = self.state_provider()
+        return metadata, tensors, None
+
+    def download_state(self, peer: str, timeout: float, max_bytes: int) -> tuple[Any, list[torch.Tensor]] | None:
+        """(metadata, tensors) of ``peer``'s current state; None if it sent none, or more than ``max_bytes``, or
+        did not finish within ``timeout`` seconds."""
+        future = MPFuture()
+        self._outer_pipe.send(("_download_state", [peer, timeout, max_bytes], {"future": future}))
+        return future.result(timeout=timeout + 5)
+
+    async def _download_state(self, peer: str, timeout: float, max_bytes: int, future: MPFuture) -> None:
+        try:
+            future.set_result(
+                await asyncio.wait_for(self._download_from(PeerID.from_base58(peer), max_bytes), timeout)
+            )
+        except Exception as e:
+            logger.info(f"state download from {peer} failed: {type(e).__name__}: {e}")
+            if not future.done():
+                future.set_result(None)
+
+    async def _download_from(self, peer: PeerID, max_bytes: int) -> tuple[Any, list[torch.Tensor]] | None:
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata, received = None, 0
+
+        async def parts():
+            nonlocal metadata, received
+            async for message in stream:
+                if message.metadata and metadata is None:
+                    metadata = self.serializer.loads(message.metadata)
+                received += len(message.tensor_part.buffer)
+                if received > max_bytes:
+                    raise ValueError(f"the state exceeds {max_bytes} bytes, more than this stage can hold")
+                yield [message.tensor_part]
+
+        tensors = await deserialize_tensor_stream(parts())
+        return None if metadata is None else (metadata, tensors)
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
         excluded = [peer.to_base58() for peer in group_info.peer_ids if peer.to_base58() in self._excluded]
@@ -89,6 +147,7 @@ class ReplicaAverager:
             request_timeout=max(0.5, matchmaking_time / 2),
             allreduce_timeout=timeout,
             min_group_size=2,
+            allow_state_sharing=False,  # until share_state: a replica still syncing has nothing to give
         )
         # start() directly: run_in_background() would set SIGINT to SIG_IGN in this process, undoing the role's trap
         self.averager.start()
@@ -98,6 +157,16 @@ class ReplicaAverager:
 
     def set_excluded(self, peers: Iterable[str]) -> None:
         self.averager.set_excluded(peers)
+
+    def share_state(self, provider: StateProvider) -> None:
+        """Lets the stage's other replicas download ``provider()``'s (metadata, tensors); ``provider`` is called
+        from a background thread and must return copies."""
+        self.averager.state_provider = provider
+        self.averager.allow_state_sharing = True
+
+    def download_state(self, peer: str, timeout: float, max_bytes: int) -> tuple[Any, list[torch.Tensor]] | None:
+        """``peer``'s current state as it shared it (unchecked), or None (blocking, up to ``timeout`` seconds)."""
+        return self.averager.download_state(peer, timeout, max_bytes)
 
     @torch.no_grad()
     def snapshot(self) -> list[torch.Tensor]:

@@ -23,6 +23,7 @@ from sentinel_node.roles.common import (
     start_dht,
     stop_dht,
 )
+from sentinel_node.roles.metrics import DHTPeerCount, Sample, serve_metrics
 
 logger = get_logger(__name__)
 
@@ -46,8 +47,16 @@ def run_bootstrap(
             check_identity=not fresh,  # a key made a moment ago cannot be in use elsewhere
             timeout=options.start_timeout,
         )
-        announcer = None
+        announcer = metrics = None
         try:
+            peers = DHTPeerCount(dht)
+            metrics = serve_metrics(
+                options.metrics_port,
+                lambda: [
+                    Sample("sentinel_node_info", 1, ("bootstrap", identity.peer_id)),
+                    Sample("sentinel_dht_peers", peers()),
+                ],
+            )
             maddrs = [str(maddr) for maddr in dht.get_visible_maddrs()]
             record = BootstrapAnnouncement(
                 peer_id=identity.peer_id,
@@ -70,4 +79,6 @@ def run_bootstrap(
         finally:
             if announcer is not None:
                 announcer.stop(offline=dht.is_alive())
+            if metrics is not None:
+                metrics.stop()
             stop_dht(dht)

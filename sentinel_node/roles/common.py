@@ -54,6 +54,7 @@ class JoinOptions:
     host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
     announce_maddrs: tuple[str, ...] = ()
     start_timeout: float = 60.0
+    metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port)
 
 
 def software_version() -> str:

@@ -133,6 +133,7 @@ class NodeContext:
     store: RecordStore
     stop: StopSignals
     maddrs: list[str]
+    metrics_port: int | None = None
 
     @property
     def peer_id(self) -> str:
@@ -155,7 +156,8 @@ def pipeline_node(options: JoinOptions, stop_event: threading.Event | None = Non
         )
         try:
             maddrs = [str(maddr) for maddr in dht.get_visible_maddrs()]
-            yield NodeContext(config, identity, dht, record_store(dht, config, identity), stop, maddrs)
+            store = record_store(dht, config, identity)
+            yield NodeContext(config, identity, dht, store, stop, maddrs, options.metrics_port)
         finally:
             stop_dht(dht)
 

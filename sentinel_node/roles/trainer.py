@@ -42,6 +42,7 @@ from dht import Announcer, TrainerAnnouncement
 from peers import LivenessBlacklist, NoRouteError, Route, SwarmView, choose_route
 from sentinel_node.model.corpus import Corpus, load_corpus, sample_batch, validation_batches
 from sentinel_node.roles.common import JoinOptions, NodeError, software_version
+from sentinel_node.roles.metrics import DHTPeerCount, Sample, serve_metrics, view_samples
 from sentinel_node.roles.runtime import (
     STAGE_FORWARD,
     STAGE_STEP,
@@ -242,6 +243,7 @@ class TrainerNode:
         self.p2p: P2P | None = None
         self.announcer: Announcer | None = None
         self._started = time.monotonic()
+        self._last_log: StepLog | None = None
 
     async def run(self, on_ready: Callable[[str, list[str]], None]) -> TrainerSummary:
         context = self.context
@@ -264,6 +266,8 @@ class TrainerNode:
             self.config.swarm.announce_ttl,
         ).start()
         refreshing = asyncio.create_task(self.views.run())
+        self._dht_peers = DHTPeerCount(context.dht)
+        metrics = serve_metrics(context.metrics_port, self._samples)
         on_ready(context.peer_id, context.maddrs)
         training = asyncio.create_task(self._train())
         stopping = asyncio.create_task(wait_for_stop(context))
@@ -285,8 +289,27 @@ class TrainerNode:
             self._emit({"event": "summary", **asdict(summary)})
             self._write_status()
             self.announcer.stop(offline=context.dht.is_alive())
+            if metrics is not None:
+                metrics.stop()
             await self.p2p.shutdown()
         return summary
+
+    def _samples(self) -> list[Sample]:
+        log, accounting = self._last_log, self.accounting
+        samples = [
+            Sample("sentinel_node_info", 1, ("trainer", self.context.peer_id)),
+            Sample("sentinel_global_step", self.step - 1),
+            Sample("sentinel_dht_peers", self._dht_peers()),
+        ]
+        for outcome in ("succeeded", "dropped", "failed"):
+            samples.append(Sample("sentinel_microbatches", getattr(accounting, outcome), (outcome,)))
+        if log is not None:
+            samples.append(Sample("sentinel_tokens_per_second", log.tokens_per_s))
+            if log.loss is not None:
+                samples.append(Sample("sentinel_loss", log.loss, ("train",)))
+        if self.val_curve:
+            samples.append(Sample("sentinel_loss", self.val_curve[-1][1], ("validation",)))
+        return samples + view_samples(self.views.view)
 
     def summary(self) -> TrainerSummary:
         gaps = self.duplicate_gaps
@@ -367,6 +390,7 @@ class TrainerNode:
             f"{log.flags} flags, {log.strikes} strikes, {len(log.excluded)} excluded"
             + ("" if val_loss is None else f", validation loss {val_loss:.4f}")
         )
+        self._last_log = log
         self._emit({"event": "step", **asdict(log)})
         self._write_status()
         if self.on_step is not None:

@@ -37,6 +37,7 @@ from peers import LivenessBlacklist
 from sentinel_node.config import Config
 from sentinel_node.pipeline import BoundaryVerifier
 from sentinel_node.roles.common import JoinOptions, NodeError, software_version
+from sentinel_node.roles.metrics import DHTPeerCount, Sample, serve_metrics, view_samples
 from sentinel_node.roles.runtime import (
     STAGE_FORWARD,
     VERIFIER_RELAY,
@@ -87,10 +88,20 @@ class CheckStats:
 
     checks: dict[str, int] = field(default_factory=lambda: {"activation": 0, "gradient": 0})
     flags: dict[str, int] = field(default_factory=lambda: {"activation": 0, "gradient": 0})
+    # per (boundary, direction): checks, flags, strikes given
+    by_boundary: dict[tuple[int, str], list[int]] = field(default_factory=dict)
     skipped: int = 0
     malformed: int = 0
     relayed: int = 0
     cpu_s: float = 0.0
+
+    def count(self, boundary: int, direction: str, flagged: bool, struck: bool) -> None:
+        self.checks[direction] += 1
+        self.flags[direction] += int(flagged)
+        counts = self.by_boundary.setdefault((boundary, direction), [0, 0, 0])
+        counts[0] += 1
+        counts[1] += int(flagged)
+        counts[2] += int(struck)
 
     def as_dict(self) -> dict:
         checked = sum(self.checks.values())
@@ -202,6 +213,7 @@ class VerifierNode:
         self.stats = CheckStats()
         self.publisher = StrikePublisher(context.store, self.config.swarm.strike_ttl)
         self._published: dict[str, tuple[int, int, bool]] = {}
+        self._strikes_given: dict[str, int] = {}  # each sender's strike count after its last check
         self.p2p: P2P | None = None
 
     async def serve(self, on_ready: Callable[[str, list[str]], None]) -> None:
@@ -231,6 +243,8 @@ class VerifierNode:
             asyncio.create_task(self.views.run()),
             asyncio.create_task(periodically(self.config.swarm.announce_period, self._write_status)),
         ]
+        self._dht_peers = DHTPeerCount(context.dht)
+        metrics = serve_metrics(context.metrics_port, self._samples)
         mode = "verifying" if self.checker.enabled else "relaying without checks"
         names = ", ".join(f"{b}|{b + 1}" for b in self.boundaries)
         logger.info(f"verifier {context.peer_id} {mode} on boundaries {names}")
@@ -245,7 +259,27 @@ class VerifierNode:
             self.publisher.stop()
             self._write_status()
             self.lane.close()
+            if metrics is not None:
+                metrics.stop()
             await self.p2p.shutdown()
+
+    def _samples(self) -> list[Sample]:
+        stats = self.stats
+        samples = [
+            Sample("sentinel_node_info", 1, ("verifier", self.context.peer_id)),
+            Sample("sentinel_microbatches", stats.relayed, ("relayed",)),
+            Sample("sentinel_microbatches", stats.malformed, ("malformed",)),
+            Sample("sentinel_peers_banned", len(self.checker.ledger.banned())),
+            Sample("sentinel_dht_peers", self._dht_peers()),
+        ]
+        for boundary in self.boundaries:
+            for direction in ("activation", "gradient"):
+                checks, flags, strikes = stats.by_boundary.get((boundary, direction), (0, 0, 0))
+                labels = (str(boundary), direction)
+                samples.append(Sample("sentinel_checks", checks, labels))
+                samples.append(Sample("sentinel_flags", flags, labels))
+                samples.append(Sample("sentinel_strikes_issued", strikes, labels))
+        return samples + view_samples(self.views.view)
 
     def _write_status(self) -> None:
         ledger = {
@@ -354,8 +388,11 @@ class VerifierNode:
         if verdict.skipped:
             self.stats.skipped += 1
         else:
-            self.stats.checks[direction] += 1
-            self.stats.flags[direction] += int(verdict.flagged)
+            before = self._strikes_given.get(sender, 0)
+            given = verdict.sender.strikes if verdict.sender is not None else before
+            # a strike count that went down was forgiven, not given
+            self.stats.count(boundary, direction, verdict.flagged, given > before)
+            self._strikes_given[sender] = given
         if verdict.flagged:
             logger.info(
                 f"flagged {direction} from {sender} at boundary {boundary}|{boundary + 1}: {verdict.reason}"

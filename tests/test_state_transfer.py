@@ -1,0 +1,137 @@
+"""A replica's state on the wire: exact round trips through hivemind's msgpack and tensor serialization, and clear
+refusals (never a crash, never a half-loaded worker) of anything malformed or foreign a peer may send."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.utils.serializer import MSGPackSerializer
+from test_checkpoint import HASH, assert_same_state, snapshot, train, worker
+
+from sentinel_node.pipeline.checkpoint import CheckpointError, capture_state, restore_state
+from sentinel_node.pipeline.state_transfer import pack_state, unpack_state
+
+
+def over_the_wire(metadata, tensors):
+    """What the averager's download hands over: msgpack metadata and protobuf-serialized tensors."""
+    wire = MSGPackSerializer.dumps(metadata)
+    return MSGPackSerializer.loads(wire), [deserialize_torch_tensor(serialize_torch_tensor(t)) for t in tensors]
+
+
+def groups(w):
+    return w.optimizer.state_dict()["param_groups"]
+
+
+@pytest.fixture
+def sender():
+    w = worker()
+    train(w, range(3))
+    return w
+
+
+def test_state_survives_the_wire_exactly_and_training_goes_on_identically(sender):
+    metadata, tensors = over_the_wire(*pack_state(capture_state(sender, 2, HASH)))
+    joiner = worker()
+    step = restore_state(joiner, unpack_state(metadata, tensors, "peer X", groups(joiner)), "peer X", HASH, "fix")
+    assert step == 2 and joiner.steps == sender.steps
+    assert_same_state(sender, joiner)
+    train(sender, range(3, 5))
+    train(joiner, range(3, 5))
+    assert_same_state(sender, joiner)
+
+
+def test_packed_tensors_are_copies(sender):
+    _, tensors = pack_state(capture_state(sender, 2, HASH))
+    before = tensors[0].clone()
+    train(sender, range(3, 4))
+    assert torch.equal(tensors[0], before)
+    assert not torch.equal(next(iter(sender.module.state_dict().values())), before)
+
+
+def test_a_peers_hyperparameters_are_ignored(sender):
+    metadata, tensors = pack_state(capture_state(sender, 2, HASH))
+    joiner = worker()
+    mine = groups(joiner)
+    payload = unpack_state(metadata, tensors, "peer X", mine)
+    assert payload["optimizer"]["param_groups"] is mine
+
+
+def mutate(metadata: dict, tensors: list, how: str):
+    if how == "not a dict":
+        return ["state"], tensors
+    if how == "lacks step":
+        return {k: v for k, v in metadata.items() if k != "step"}, tensors
+    if how == "names a tensor twice":
+        entries = [list(e) for e in metadata["optimizer_state"]]
+        tensor_entries = [e for e in entries if e[2] == "tensor"]
+        tensor_entries[1][3] = tensor_entries[0][3]
+        return {**metadata, "optimizer_state": entries}, tensors
+    if how == "index out of range":
+        entries = [list(e) for e in metadata["optimizer_state"]]
+        next(e for e in entries if e[2] == "tensor")[3] = len(tensors) + 5
+        return {**metadata, "optimizer_state": entries}, tensors
+    if how == "an extra tensor":
+        return metadata, [*tensors, torch.zeros(3)]
+    if how == "a non-tensor":
+        return metadata, [*tensors[:-1], "weights"]
+    if how == "an object value":
+        entries = [list(e) for e in metadata["optimizer_state"]]
+        entries.append([0, "evil", "value", {"a": 1}])
+        return {**metadata, "optimizer_state": entries}, tensors
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("not a dict", "sent no sentinel-node stage state"),
+        ("lacks step", "sent no sentinel-node stage state"),
+        ("names a tensor twice", "malformed optimizer state entry"),
+        ("index out of range", "malformed optimizer state entry"),
+        ("an extra tensor", "tensors its metadata does not name"),
+        ("a non-tensor", "something other than tensors"),
+        ("an object value", "malformed optimizer state entry"),
+    ],
+)
+def test_malformed_states_are_refused_by_name(sender, how, message):
+    metadata, tensors = mutate(*pack_state(capture_state(sender, 2, HASH)), how)
+    joiner = worker()
+    with pytest.raises(CheckpointError, match=f"peer Q.*{message}|{message}") as info:
+        unpack_state(metadata, tensors, "peer Q", groups(joiner))
+    assert "peer Q" in str(info.value)
+
+
+@pytest.mark.parametrize("damage", ["shape", "nan", "stage", "config"])
+def test_foreign_or_poisoned_states_leave_the_worker_untouched(sender, damage):
+    payload = capture_state(sender, 2, HASH)
+    metadata, tensors = pack_state(payload)
+    if damage == "shape":
+        tensors[0] = torch.zeros(3, 3)
+    elif damage == "nan":
+        tensors[0] = torch.full_like(tensors[0], float("nan"))
+    elif damage == "stage":
+        metadata["stage"] = 0
+    elif damage == "config":
+        metadata["config_hash"] = "another"
+    joiner = worker()
+    before = snapshot(joiner)
+    payload = unpack_state(metadata, tensors, "peer Q", groups(joiner))
+    with pytest.raises(CheckpointError, match="peer Q"):
+        restore_state(joiner, payload, "peer Q", HASH, "try another replica", any_optimizer=True)
+    after = snapshot(joiner)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert joiner.steps == 0
+
+
+def test_another_optimizers_state_loads_parameters_only(sender):
+    payload = capture_state(sender, 2, HASH)
+    payload["optimizer_name"] = "bitsandbytes.AdamW8bit"
+    payload["optimizer"] = {"state": {0: {"state1": torch.zeros(4, dtype=torch.uint8)}}, "param_groups": []}
+    joiner = worker()
+    with pytest.raises(CheckpointError, match="holds bitsandbytes.AdamW8bit state"):
+        restore_state(joiner, payload, "peer Q", HASH, "fix")
+    assert restore_state(joiner, payload, "peer Q", HASH, "fix", any_optimizer=True) == 2
+    for x, y in zip(sender.module.state_dict().values(), joiner.module.state_dict().values(), strict=True):
+        assert torch.equal(x, y)
+    assert joiner.optimizer.state_dict()["state"] == {}
