@@ -67,6 +67,9 @@ class Announcement(SwarmRecord):
 class StageAnnouncement(Announcement):
     kind: Literal["stage"] = "stage"
     stage: StageIndex
+    # the last global step the replica applied (-1: none yet); a trainer joining a swarm whose trainers have all
+    # gone resumes after it, since stages apply each global step once
+    last_step: conint(strict=True, ge=-1) = -1
 
     def key(self, keys: SwarmKeys) -> str:
         return keys.stage(self.stage)

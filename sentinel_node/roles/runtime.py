@@ -331,6 +331,17 @@ async def periodically(period: float, fn: Callable[[], Awaitable[None] | None]) 
         await asyncio.sleep(period)
 
 
+async def bounded(awaitable: Awaitable, seconds: float, what: str) -> None:
+    """Awaits a shutdown step for at most ``seconds``: once the node's ``p2pd`` is gone (a signal sent to the
+    whole process group reaches it too, e.g. Ctrl-C in a terminal), a libp2p call never returns."""
+    try:
+        await asyncio.wait_for(awaitable, seconds)
+    except asyncio.TimeoutError:
+        logger.warning(f"{what} did not finish within {seconds:.0f}s (is p2pd gone?); going on")
+    except Exception as e:
+        logger.debug(f"{what} failed: {type(e).__name__}: {e}")
+
+
 async def replicate_p2p(context: NodeContext) -> P2P:
     """A libp2p handle on the DHT's own daemon: the node's handlers answer under its identity's peer id."""
     return await context.dht.replicate_p2p()

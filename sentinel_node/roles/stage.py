@@ -67,6 +67,7 @@ from sentinel_node.roles.runtime import (
     StepReply,
     StepRequest,
     ViewKeeper,
+    bounded,
     live_trainer,
     live_verifier,
     note_failures,
@@ -289,7 +290,8 @@ class StageNode:
                 task.cancel()
             if self.averaging is not None:
                 self.averaging.cancel()
-            await server.remove_handlers()
+            if context.dht.is_alive():  # else p2pd died with it: nothing to remove
+                await bounded(server.remove_handlers(), 5, "removing the handlers")
             announcer.stop(offline=context.dht.is_alive())
             with contextlib.suppress(Exception):  # a failed save is logged inside; the stop goes on
                 await self.lane.run(self._save_checkpoint, self.applied_step)
@@ -297,7 +299,7 @@ class StageNode:
             self.lane.close()
             if metrics is not None:
                 metrics.stop()
-            await self.p2p.shutdown()
+            await bounded(self.p2p.shutdown(), 5, "closing the libp2p handle")
 
     # --- state: checkpoints, and the state a joining replica takes from a live one
 
@@ -389,6 +391,7 @@ class StageNode:
             relayed=False,
             throughput=float(self._throughput),
             stage=self.stage,
+            last_step=self.last_step,
             config_hash=self.config.swarm_hash(),
             version=software_version(),
             time=get_dht_time(),
@@ -404,6 +407,8 @@ class StageNode:
             self._throughput = 0.7 * self._throughput + 0.3 * measured
             self._reported = (done, self._cpu_s)
             announcer.update(throughput=float(self._throughput))
+        if announcer.record.last_step != self.last_step:
+            announcer.update(last_step=self.last_step)
         self._write_status()
 
     def _benchmark(self, rounds: int = 3) -> float:

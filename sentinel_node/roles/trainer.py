@@ -52,6 +52,7 @@ from sentinel_node.roles.runtime import (
     StepReply,
     StepRequest,
     ViewKeeper,
+    bounded,
     note_failures,
     pipeline_node,
     replicate_p2p,
@@ -291,7 +292,7 @@ class TrainerNode:
             self.announcer.stop(offline=context.dht.is_alive())
             if metrics is not None:
                 metrics.stop()
-            await self.p2p.shutdown()
+            await bounded(self.p2p.shutdown(), 5, "closing the libp2p handle")
         return summary
 
     def _samples(self) -> list[Sample]:
@@ -523,11 +524,14 @@ class TrainerNode:
 
     def _resume_step(self) -> int:
         """Where this trainer's step count starts: stages apply each global step once, so a trainer that joins a
-        swarm which already trained continues its count."""
+        swarm which already trained continues its count (from other trainers' announcements, or the stages' when
+        no trainer announces any more)."""
         if self.settings.start_step is not None:
             return self.settings.start_step
-        others = [a.global_step for a in self.views.view.trainers.values() if a.peer_id != self.context.peer_id]
-        return max(others, default=0)
+        view = self.views.view
+        others = [a.global_step for a in view.trainers.values() if a.peer_id != self.context.peer_id]
+        stages = [a.last_step + 1 for k in range(view.n_stages) for a in view.live_replicas(k)]
+        return max(others + stages, default=0)
 
     async def _step_all(self, step: int) -> None:
         """Tells every live stage replica that global step ``step`` is complete."""

@@ -47,6 +47,7 @@ from sentinel_node.roles.runtime import (
     PipelineRequest,
     Shapes,
     ViewKeeper,
+    bounded,
     note_failures,
     order_candidates,
     periodically,
@@ -254,14 +255,15 @@ class VerifierNode:
         finally:
             for task in background:
                 task.cancel()
-            await server.remove_handlers()
+            if context.dht.is_alive():  # else p2pd died with it: nothing to remove
+                await bounded(server.remove_handlers(), 5, "removing the handlers")
             announcer.stop(offline=context.dht.is_alive())
             self.publisher.stop()
             self._write_status()
             self.lane.close()
             if metrics is not None:
                 metrics.stop()
-            await self.p2p.shutdown()
+            await bounded(self.p2p.shutdown(), 5, "closing the libp2p handle")
 
     def _samples(self) -> list[Sample]:
         stats = self.stats
