@@ -216,6 +216,18 @@ def _role_settings(role: str, opts: dict) -> dict:
 )
 @click.option("--announce-maddrs", multiple=True, help="Public multiaddrs to tell others (behind NAT or Docker).")
 @click.option(
+    "--use-relay/--no-use-relay",
+    default=True,
+    show_default=True,
+    help="Reach peers that are themselves reachable only through a libp2p relay.",
+)
+@click.option(
+    "--use-auto-relay",
+    is_flag=True,
+    help="Behind NAT with no open port: find relays and be reachable through them (slower; announced as relayed, "
+    "so trainers prefer direct peers).",
+)
+@click.option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
     envvar="SENTINEL_METRICS_PORT",
@@ -229,6 +241,8 @@ def join(
     initial_peers: tuple[str, ...],
     host_maddrs: tuple[str, ...],
     announce_maddrs: tuple[str, ...],
+    use_relay: bool,
+    use_auto_relay: bool,
     metrics_port: int | None,
     **role_options,
 ) -> None:
@@ -246,6 +260,8 @@ def join(
         host_maddrs=_maddrs(host_maddrs, "--host-maddrs"),
         announce_maddrs=_maddrs(announce_maddrs, "--announce-maddrs"),
         metrics_port=metrics_port,
+        use_relay=use_relay,
+        use_auto_relay=use_auto_relay,
     )
     extra = _role_settings(role, role_options)
     from hivemind.utils.logging import use_hivemind_log_handler

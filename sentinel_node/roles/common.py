@@ -55,6 +55,17 @@ class JoinOptions:
     announce_maddrs: tuple[str, ...] = ()
     start_timeout: float = 60.0
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port)
+    use_relay: bool = True  # may reach peers that are themselves reachable only through a relay
+    use_auto_relay: bool = False  # behind NAT: find relays and be reachable through them
+
+
+def peer_ids_of(maddrs: Iterable[str]) -> list[str]:
+    """The peer ids that multiaddrs name (``.../p2p/<id>``), in order, once each."""
+    found = []
+    for maddr in maddrs:
+        with contextlib.suppress(Exception):
+            found.append(Multiaddr(maddr).value_for_protocol("p2p"))
+    return list(dict.fromkeys(found))
 
 
 def software_version() -> str:
@@ -124,6 +135,8 @@ def start_dht(
     client_mode: bool = False,
     check_identity: bool = True,
     timeout: float = 60.0,
+    use_relay: bool = True,
+    use_auto_relay: bool = False,
 ) -> hivemind.DHT:
     """A running DHT node of the swarm (its libp2p identity is ``identity`` when that has a file); NodeStartError
     within ``timeout`` seconds if it cannot start or reach ``initial_peers``."""
@@ -137,6 +150,8 @@ def start_dht(
         announce_maddrs=announce_maddrs or None,
         identity_path=str(identity.path) if identity.path is not None else None,
         check_if_identity_free=check_identity,
+        use_relay=use_relay,
+        use_auto_relay=use_auto_relay,
     )
     try:
         dht.run_in_background(await_ready=True, timeout=timeout)

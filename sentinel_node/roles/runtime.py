@@ -38,10 +38,12 @@ from sentinel_node.roles.common import (
     NodeDiedError,
     StopSignals,
     node_identity,
+    peer_ids_of,
     record_store,
     start_dht,
     stop_dht,
 )
+from sentinel_node.roles.reachability import Reachability, check_reachability, report, serve_reachability
 from sentinel_node.swarm_view import exclusion_policy
 from sentinel_node.transport import (
     Hop,
@@ -50,6 +52,7 @@ from sentinel_node.transport import (
     HopRefused,
     MicrobatchMetadata,
     RequestMetadata,
+    TensorServer,
     TensorSpec,
     TransportSettings,
     WireModel,
@@ -134,6 +137,8 @@ class NodeContext:
     stop: StopSignals
     maddrs: list[str]
     metrics_port: int | None = None
+    initial_peers: tuple[str, ...] = ()
+    use_auto_relay: bool = False
 
     @property
     def peer_id(self) -> str:
@@ -153,11 +158,23 @@ def pipeline_node(options: JoinOptions, stop_event: threading.Event | None = Non
             announce_maddrs=options.announce_maddrs,
             check_identity=not fresh,
             timeout=options.start_timeout,
+            use_relay=options.use_relay,
+            use_auto_relay=options.use_auto_relay,
         )
         try:
             maddrs = [str(maddr) for maddr in dht.get_visible_maddrs()]
             store = record_store(dht, config, identity)
-            yield NodeContext(config, identity, dht, store, stop, maddrs, options.metrics_port)
+            yield NodeContext(
+                config,
+                identity,
+                dht,
+                store,
+                stop,
+                maddrs,
+                options.metrics_port,
+                options.initial_peers,
+                options.use_auto_relay,
+            )
         finally:
             stop_dht(dht)
 
@@ -340,6 +357,14 @@ async def bounded(awaitable: Awaitable, seconds: float, what: str) -> None:
         logger.warning(f"{what} did not finish within {seconds:.0f}s (is p2pd gone?); going on")
     except Exception as e:
         logger.debug(f"{what} failed: {type(e).__name__}: {e}")
+
+
+async def reachability(context: NodeContext, p2p: P2P, server: TensorServer) -> Reachability:
+    """Answers other nodes' reachability checks from now on, and checks this node's own with its initial peers."""
+    await serve_reachability(server)
+    result = await check_reachability(p2p, context.maddrs, peer_ids_of(context.initial_peers), server.settings)
+    report(result, context.use_auto_relay)
+    return result
 
 
 async def replicate_p2p(context: NodeContext) -> P2P:

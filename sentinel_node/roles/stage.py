@@ -55,6 +55,7 @@ from sentinel_node.pipeline.state_transfer import pack_state, unpack_state
 from sentinel_node.roles.averaging import ReplicaAverager
 from sentinel_node.roles.common import JoinOptions, NodeError, software_version
 from sentinel_node.roles.metrics import DHTPeerCount, Sample, serve_metrics, view_samples
+from sentinel_node.roles.reachability import Reachability
 from sentinel_node.roles.runtime import (
     STAGE_FORWARD,
     STAGE_STEP,
@@ -74,6 +75,7 @@ from sentinel_node.roles.runtime import (
     order_candidates,
     periodically,
     pipeline_node,
+    reachability,
     replicate_p2p,
     transport_settings,
     view_summary,
@@ -231,6 +233,7 @@ class StageNode:
         self.applied_step = self.last_step  # the step the parameters are at (changed under _state_lock)
         self.resumed_from = resumed
         self.synced_from: str | None = None  # the replica whose state this one took when it joined
+        self.reachability: Reachability | None = None
         self._state_lock = threading.Lock()
         self.checkpoints = None
         if settings.state_dir is not None:
@@ -270,6 +273,7 @@ class StageNode:
             expect = [self.shapes.hidden_spec, self.shapes.tokens]
         await server.add_handler(STAGE_FORWARD, self._forward, PipelineRequest, authorize=self._admit, expect=expect)
         await server.add_handler(STAGE_STEP, self._step, StepRequest, authorize=self._admit_step, expect=[])
+        self.reachability = await reachability(context, self.p2p, server)
         if self.averager is not None:
             self.views.listeners.append(lambda view: self.averager.set_excluded(view.excluded))
         self._throughput = await self.lane.run(self._benchmark)
@@ -388,7 +392,7 @@ class StageNode:
             peer_id=self.context.peer_id,
             maddrs=self.context.maddrs,
             state="online",
-            relayed=False,
+            relayed=self.reachability.relayed,
             throughput=float(self._throughput),
             stage=self.stage,
             last_step=self.last_step,
@@ -441,6 +445,7 @@ class StageNode:
                 "last_step": self.last_step,
                 "resumed_from": self.resumed_from,
                 "synced_from": self.synced_from,
+                "reachability": self.reachability.as_dict() if self.reachability else None,
                 "averaging_rounds": self.averager.rounds if self.averager else 0,
                 "averaged_with": self.averaged_with,
                 "throughput": self._throughput,

@@ -52,6 +52,7 @@ from sentinel_node.roles.runtime import (
     order_candidates,
     periodically,
     pipeline_node,
+    reachability,
     replicate_p2p,
     stage_of,
     transport_settings,
@@ -215,6 +216,7 @@ class VerifierNode:
         self.publisher = StrikePublisher(context.store, self.config.swarm.strike_ttl)
         self._published: dict[str, tuple[int, int, bool]] = {}
         self._strikes_given: dict[str, int] = {}  # each sender's strike count after its last check
+        self.reachability = None
         self.p2p: P2P | None = None
 
     async def serve(self, on_ready: Callable[[str, list[str]], None]) -> None:
@@ -226,11 +228,12 @@ class VerifierNode:
         await server.add_handler(
             VERIFIER_RELAY, self._relay, PipelineRequest, authorize=self._admit, require_finite=False
         )
+        self.reachability = await reachability(context, self.p2p, server)
         announcement = VerifierAnnouncement(
             peer_id=context.peer_id,
             maddrs=context.maddrs,
             state="online",
-            relayed=False,
+            relayed=self.reachability.relayed,
             throughput=0.0,
             boundaries=list(self.boundaries),
             config_hash=self.config.swarm_hash(),
@@ -298,6 +301,7 @@ class VerifierNode:
                 "ledger": ledger,
                 "banned": sorted(self.checker.ledger.banned()),
                 "published": self.publisher.published,
+                "reachability": self.reachability.as_dict() if self.reachability else None,
                 "time": time.time(),
                 **self.stats.as_dict(),
                 **view_summary(self.views.view),
