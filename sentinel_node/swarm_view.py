@@ -116,10 +116,18 @@ def render_status(view: SwarmView, config: Config) -> str:
     for k in range(view.n_stages):
         replicas = [a for _, a in sorted(view.stages.get(k, {}).items())]
         if not replicas:
-            stage_rows.append([k, "-", "(no replica)", "", "", ""])
+            stage_rows.append([k, "-", "(no replica)", "", "", "", ""])
         for a in replicas:
             stage_rows.append(
-                [k, a.peer_id, _state(view, a), f"{a.throughput:.1f}", "yes" if a.relayed else "no", a.version]
+                [
+                    k,
+                    a.peer_id,
+                    _state(view, a),
+                    "-" if a.last_step < 0 else a.last_step,
+                    f"{a.throughput:.1f}",
+                    "yes" if a.relayed else "no",
+                    a.version,
+                ]
             )
     verifier_rows = [
         [
@@ -140,7 +148,7 @@ def render_status(view: SwarmView, config: Config) -> str:
         [
             f"swarm {config.swarm.prefix}  config {config.swarm_hash()}  read {stamp}",
             "BOOTSTRAPS\n" + table(["PEER", "STATE", "MULTIADDRS"], bootstrap_rows),
-            "STAGES\n" + table(["STAGE", "PEER", "STATE", "THROUGHPUT", "RELAYED", "VERSION"], stage_rows),
+            "STAGES\n" + table(["STAGE", "PEER", "STATE", "STEP", "THROUGHPUT", "RELAYED", "VERSION"], stage_rows),
             "VERIFIERS\n" + table(["BOUNDARIES", "PEER", "STATE", "THROUGHPUT", "RELAYED"], verifier_rows),
             "TRAINERS\n" + table(["PEER", "STATE", "STEP", "LOSS"], trainer_rows),
             f"excluded peers: {len(view.excluded)}   strike records: {len(view.ledger)}",
