@@ -11,6 +11,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -276,3 +277,42 @@ def test_strikes_and_bans_render_with_their_verifiers():
     report = to_json(view, config, "bans")["bans"]
     assert set(report[accused]["voters"]) == set(verifiers[:2])
     assert [s["vote"] for s in to_json(view, config, "strikes")["strikes"][accused]].count(True) == 2
+
+
+@pytest.mark.slow
+def test_a_taken_metrics_port_is_a_clear_error_and_leaves_nothing_behind(bootstraps, config_path):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [*CLI, "join", "--role", "bootstrap", "--config", config_path, "--host-maddrs", LOOPBACK]
+            + ["--initial-peers", bootstraps[0].maddrs[0], "--metrics-port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            start_new_session=True,
+        )
+    assert result.returncode == 1
+    assert f"--metrics-port {port}: cannot listen" in result.stderr and "choose a free port" in result.stderr
+
+
+def test_a_device_this_machine_lacks_is_a_clear_error():
+    for device, message in (("cuda:7", "--device cuda:7: "), ("tpu-ish", "unknown device 'tpu-ish'")):
+        result = subprocess.run(
+            [*CLI, "join", "--role", "stage", "--stage", "0", "--device", device],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            start_new_session=True,
+        )
+        assert result.returncode == 1 and message in result.stderr, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr
+
+
+def test_metrics_port_and_relay_options_are_checked_before_anything_starts():
+    result = CliRunner().invoke(main, ["join", "--role", "bootstrap", "--metrics-port", "70000"])
+    assert result.exit_code == 2 and "--metrics-port" in result.output
+    help_text = CliRunner().invoke(main, ["join", "--help"]).output
+    for option in ("--use-relay / --no-use-relay", "--use-auto-relay", "--state-dir", "--metrics-port"):
+        assert option in help_text

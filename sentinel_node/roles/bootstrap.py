@@ -41,6 +41,14 @@ def run_bootstrap(
 
 async def _serve(context: NodeContext, on_ready: Callable[[str, list[str]], None]) -> None:
     config = context.config
+    peers = DHTPeerCount(context.dht)
+    metrics = serve_metrics(
+        context.metrics_port,
+        lambda: [
+            Sample("sentinel_node_info", 1, ("bootstrap", context.peer_id)),
+            Sample("sentinel_dht_peers", peers()),
+        ],
+    )  # first: a taken port fails the start at once
     p2p = await replicate_p2p(context)
     server = TensorServer(p2p, transport_settings(config))
     reached = await reachability(context, p2p, server)
@@ -55,14 +63,6 @@ async def _serve(context: NodeContext, on_ready: Callable[[str, list[str]], None
         time=get_dht_time(),
     )
     announcer = Announcer(context.store, record, config.swarm.announce_period, config.swarm.announce_ttl).start()
-    peers = DHTPeerCount(context.dht)
-    metrics = serve_metrics(
-        context.metrics_port,
-        lambda: [
-            Sample("sentinel_node_info", 1, ("bootstrap", context.peer_id)),
-            Sample("sentinel_dht_peers", peers()),
-        ],
-    )
     logger.info(f"bootstrap {context.peer_id} serving swarm {config.swarm.prefix} ({config.swarm_hash()})")
     on_ready(context.peer_id, context.maddrs)
     try:

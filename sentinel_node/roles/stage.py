@@ -260,12 +260,12 @@ class StageNode:
 
     async def serve(self, on_ready: Callable[[str, list[str]], None]) -> None:
         context = self.context
+        self._dht_peers = DHTPeerCount(context.dht)
+        metrics = serve_metrics(context.metrics_port, self._samples)  # first: a taken port fails the start at once
         self.p2p = await replicate_p2p(context)
         if self.averager is not None:
             await self._sync_state()
             self.averager.share_state(self._current_state)
-        metrics = serve_metrics(context.metrics_port, self._samples)
-        self._dht_peers = DHTPeerCount(context.dht)
         server = TensorServer(self.p2p, self.transport)
         if self.worker.is_first:
             expect = [self.shapes.tokens, self.shapes.tokens]

@@ -248,6 +248,8 @@ class TrainerNode:
 
     async def run(self, on_ready: Callable[[str, list[str]], None]) -> TrainerSummary:
         context = self.context
+        self._dht_peers = DHTPeerCount(context.dht)
+        metrics = serve_metrics(context.metrics_port, self._samples)  # first: a taken port fails the start at once
         self.p2p = await replicate_p2p(context)
         self.announcer = Announcer(
             context.store,
@@ -267,8 +269,6 @@ class TrainerNode:
             self.config.swarm.announce_ttl,
         ).start()
         refreshing = asyncio.create_task(self.views.run())
-        self._dht_peers = DHTPeerCount(context.dht)
-        metrics = serve_metrics(context.metrics_port, self._samples)
         on_ready(context.peer_id, context.maddrs)
         training = asyncio.create_task(self._train())
         stopping = asyncio.create_task(wait_for_stop(context))

@@ -221,6 +221,8 @@ class VerifierNode:
 
     async def serve(self, on_ready: Callable[[str, list[str]], None]) -> None:
         context = self.context
+        self._dht_peers = DHTPeerCount(context.dht)
+        metrics = serve_metrics(context.metrics_port, self._samples)  # first: a taken port fails the start at once
         self.p2p = await replicate_p2p(context)
         server = TensorServer(self.p2p, self.transport)
         # Tensors reach the handler unchecked (no expect, NaN allowed) so the verification core sees every
@@ -247,8 +249,6 @@ class VerifierNode:
             asyncio.create_task(self.views.run()),
             asyncio.create_task(periodically(self.config.swarm.announce_period, self._write_status)),
         ]
-        self._dht_peers = DHTPeerCount(context.dht)
-        metrics = serve_metrics(context.metrics_port, self._samples)
         mode = "verifying" if self.checker.enabled else "relaying without checks"
         names = ", ".join(f"{b}|{b + 1}" for b in self.boundaries)
         logger.info(f"verifier {context.peer_id} {mode} on boundaries {names}")
