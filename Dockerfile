@@ -1,0 +1,96 @@
+# sentinel-node in a container: a stage on a home GPU (the default, CUDA) or any role on a CPU.
+#
+#   docker build -t sentinel-node:cuda .
+#   docker build --build-arg VARIANT=cpu --build-arg BASE_IMAGE=debian:bookworm-slim -t sentinel-node:cpu .
+#
+# The entry point is `sentinel-node`; /data (the working directory and $HOME) keeps identities, checkpoints and
+# caches. It runs as the unprivileged user `sentinel` (uid $USER_UID). Ports: 31337 p2p (pass --host-maddrs
+# /ip4/0.0.0.0/tcp/31337), 9400 Prometheus metrics (--metrics-port 9400).
+#
+# Build arguments:
+#   VARIANT          cuda: torch's CUDA 12.8 build plus bitsandbytes (the [gpu] extra); cpu: torch's CPU build.
+#   BASE_IMAGE       a Debian or Ubuntu image with Python >= 3.11 (bookworm, noble); python3 and python3-venv are
+#                    installed with apt when missing.
+#   TORCH_VERSION    the project accepts torch <= 2.13.0.
+#   WHEELS           a folder of wheels inside the build (e.g. `buildah bud --volume DIR:/wheels --build-arg
+#                    WHEELS=/wheels`): install from it alone, offline, instead of the package indexes.
+#   USER_UID         the user's uid; match your own to write to a bind-mounted /data.
+# scripts/image_smoke.sh builds the cpu variant with buildah and runs it (tests/test_image.py).
+
+ARG BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+FROM ${BASE_IMAGE}
+
+ARG VARIANT=cuda
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_CUDA_INDEX=https://download.pytorch.org/whl/cu128
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+ARG WHEELS=
+ARG USER_UID=1000
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+
+# Python in a venv (Debian and Ubuntu mark the system one as externally managed).
+RUN set -eu; \
+    if ! python3 -m venv /opt/venv 2>/dev/null; then \
+        rm -rf /opt/venv; \
+        apt-get update; \
+        apt-get install -y --no-install-recommends python3 python3-venv ca-certificates; \
+        rm -rf /var/lib/apt/lists/*; \
+        python3 -m venv /opt/venv; \
+    fi; \
+    python3 --version
+
+# torch first, from the index of the variant (or WHEELS), so the project's dependencies find it satisfied.
+RUN set -eu; \
+    case "$VARIANT" in \
+        cuda) index="$TORCH_CUDA_INDEX" ;; \
+        cpu) index="$TORCH_CPU_INDEX" ;; \
+        *) echo "VARIANT must be cuda or cpu, not '$VARIANT'" >&2; exit 1 ;; \
+    esac; \
+    if [ -n "$WHEELS" ]; then source="--no-index --find-links $WHEELS"; else source="--index-url $index"; fi; \
+    pip install --no-cache-dir $source "torch==$TORCH_VERSION"; \
+    python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+
+# The project's dependencies (from pyproject.toml alone, so this layer stays cached while the code changes);
+# hivemind from its wheel only (it bundles the p2pd daemon).
+COPY pyproject.toml /opt/sentinel-node/pyproject.toml
+RUN set -eu; \
+    if [ -n "$WHEELS" ]; then source="--no-index --find-links $WHEELS"; else source=""; fi; \
+    extras=""; if [ "$VARIANT" = cuda ]; then extras="gpu"; fi; \
+    python -c 'import sys, tomllib; p = tomllib.load(open(sys.argv[1], "rb"))["project"]; \
+print("\n".join(p["dependencies"] + [r for e in sys.argv[2:] for r in p["optional-dependencies"][e]]))' \
+        /opt/sentinel-node/pyproject.toml $extras > /tmp/requirements.txt; \
+    cat /tmp/requirements.txt; \
+    pip install --no-cache-dir $source --only-binary hivemind -r /tmp/requirements.txt; \
+    rm /tmp/requirements.txt
+
+# The project itself, editable: its configs/ are found next to the package (sentinel_node/config.py).
+COPY . /opt/sentinel-node
+RUN set -eu; \
+    if [ -n "$WHEELS" ]; then source="--no-index --find-links $WHEELS"; else source=""; fi; \
+    pip install --no-cache-dir $source --no-deps -e /opt/sentinel-node; \
+    python -m compileall -q /opt/sentinel-node/sentinel_node /opt/sentinel-node/peers /opt/sentinel-node/dht; \
+    pip check
+
+# An unprivileged user whose home is the data volume (Ubuntu's images already hold a user with uid 1000). /swarm is
+# for files the nodes of a local swarm share (docker-compose.yml mounts one volume there, owned by this user).
+RUN set -eu; \
+    existing="$(getent passwd "$USER_UID" | cut -d: -f1)"; \
+    if [ -n "$existing" ]; then userdel "$existing"; rm -rf "/home/$existing"; fi; \
+    useradd --uid "$USER_UID" --user-group --home-dir /data --no-create-home --shell /bin/sh sentinel; \
+    mkdir -p /data /swarm; \
+    chown sentinel:sentinel /data /swarm
+
+ENV HOME=/data \
+    XDG_CACHE_HOME=/data/cache \
+    HF_HOME=/data/cache/huggingface
+USER sentinel
+WORKDIR /data
+VOLUME ["/data"]
+EXPOSE 31337 9400
+ENTRYPOINT ["sentinel-node"]
+CMD ["--help"]
