@@ -1,0 +1,196 @@
+#!/usr/bin/env bash
+# Smoke test of the Dockerfile on a machine without a Docker engine or a reachable container registry:
+#
+#   1. debootstrap a minimal Debian bookworm (python3, python3-venv) and import it into buildah as the base image;
+#   2. build a wheelhouse from this machine's pip (torch 2.13.0 CPU, hivemind's wheel, every dependency);
+#   3. `buildah bud --isolation chroot` the Dockerfile's cpu variant on that base, installing from the wheelhouse;
+#   4. check the image's config (entry point, user, volume, ports), then `buildah run` it: `sentinel-node --help`,
+#      and a real networked run inside it: `sentinel-node demo --steps 2 --attack none --json` (a bootstrap,
+#      stages, verifiers and a trainer, each with its own hivemind DHT and p2pd, on the container's loopback).
+#
+# Everything (rootfs, buildah's storage, the wheelhouse) lives in one temporary folder removed at the end.
+# Lines starting with "SMOKE " are what tests/test_image.py reads; the last one is "SMOKE OK ..." on success.
+# Exit status: 0 passed, 77 skipped (this machine cannot run buildah: not root, no apt to install it, or no
+# namespaces), anything else failed.
+#
+#   sudo scripts/image_smoke.sh            # about 4-5 minutes on 2 cores
+#
+# Environment: DEBIAN_MIRROR (default http://deb.debian.org/debian), SMOKE_TMPDIR (parent of the work folder,
+# default /var/tmp), SMOKE_KEEP=1 keeps the work folder, SMOKE_PYTHON (the pip that builds the wheelhouse).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+BASE_TAG=localhost/sentinel-smoke-base:bookworm
+IMAGE_TAG=localhost/sentinel-node:cpu-smoke
+TORCH_VERSION=2.13.0
+SKIP=77
+
+say() { echo "SMOKE $*"; }
+skip() {
+    say "SKIP $*"
+    exit "$SKIP"
+}
+fail() {
+    say "FAIL $*"
+    exit 1
+}
+
+# --- 0. can this machine run buildah at all? ---------------------------------------------------------------------
+[ "$(id -u)" = 0 ] || skip "not root: debootstrap and buildah's chroot isolation need root"
+missing=()
+command -v buildah >/dev/null || missing+=(buildah)
+command -v debootstrap >/dev/null || missing+=(debootstrap)
+if [ "${#missing[@]}" -gt 0 ]; then
+    command -v apt-get >/dev/null || skip "${missing[*]} missing and no apt-get to install them"
+    say "installing ${missing[*]} with apt-get"
+    apt_started=$SECONDS
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    say "time apt=$((SECONDS - apt_started))s"
+fi
+unshare --mount --uts --ipc true 2>/dev/null || skip "cannot create mount namespaces here (an unprivileged container?)"
+
+started=$SECONDS
+WORK="$(mktemp -d "${SMOKE_TMPDIR:-/var/tmp}/sentinel-image-smoke.XXXXXX")"
+export TMPDIR="$WORK/tmp" # buildah's own scratch files (layer diffs) stay in the work folder too
+mkdir -p "$TMPDIR"
+driver=vfs
+if grep -qw overlay /proc/filesystems 2>/dev/null || modprobe overlay 2>/dev/null; then driver=overlay; fi
+B=(buildah --root "$WORK/storage" --runroot "$WORK/run" --storage-driver "$driver")
+
+cleanup() {
+    local rc=$?
+    set +e
+    if [ "${SMOKE_KEEP:-0}" = 1 ]; then
+        say "kept $WORK: ${B[*]} images"
+        exit "$rc"
+    fi
+    "${B[@]}" rm --all >/dev/null 2>&1
+    "${B[@]}" rmi --all --force >/dev/null 2>&1
+    # containers/storage may leave its overlay home (or a layer) mounted; unmount, innermost first
+    awk -v w="$WORK/" 'index($2, w) == 1 {print $2}' /proc/mounts | sort -r | while read -r m; do umount -l "$m"; done
+    rm -rf "$WORK"
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+say "work folder $WORK, buildah $(buildah --version | awk '{print $3}'), storage driver $driver"
+
+# --- 1. the base image: a debootstrapped Debian bookworm ----------------------------------------------------------
+t=$SECONDS
+debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$WORK/rootfs" "$MIRROR" \
+    >"$WORK/debootstrap.log" 2>&1 || {
+    tail -20 "$WORK/debootstrap.log"
+    fail "debootstrap from $MIRROR failed"
+}
+rm -rf "$WORK"/rootfs/var/cache/apt/archives/*.deb "$WORK"/rootfs/var/lib/apt/lists/*
+ctr="$("${B[@]}" from scratch)"
+mnt="$("${B[@]}" mount "$ctr")"
+tar -C "$WORK/rootfs" --numeric-owner -cf - . | tar -C "$mnt" --numeric-owner -xf -
+"${B[@]}" umount "$ctr" >/dev/null
+rm -rf "$WORK/rootfs"
+"${B[@]}" config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --cmd /bin/bash "$ctr"
+"${B[@]}" commit --quiet --rm "$ctr" "$BASE_TAG" >/dev/null
+say "time debootstrap=$((SECONDS - t))s (base $BASE_TAG)"
+
+# --- 2. the wheelhouse: what the image installs, from this machine's pip (its local wheels and caches) ----------
+t=$SECONDS
+py="${SMOKE_PYTHON:-}"
+if [ -z "$py" ]; then
+    if [ -x "$REPO/.venv/bin/python" ]; then py="$REPO/.venv/bin/python"; else py="$(command -v python3 || true)"; fi
+fi
+wheels_args=()
+if [ -n "$py" ] && "$py" -c 'import sys, platform; sys.exit(sys.version_info[:2] != (3, 11)
+        or platform.machine() != "x86_64" or platform.libc_ver()[0] != "glibc")' 2>/dev/null; then
+    mkdir -p "$WORK/wheels"
+    "$py" -c 'import sys, tomllib; print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]))' \
+        "$REPO/pyproject.toml" >"$WORK/requirements.txt"
+    # the CPU build of torch: a wheel pip finds offline (its find-links), else one from PyTorch's CPU index
+    torch_req="torch==$TORCH_VERSION+cpu"
+    "$py" -m pip download --quiet --no-deps --no-index --dest "$WORK/wheels" "$torch_req" >"$WORK/wheels.log" 2>&1 ||
+        "$py" -m pip download --quiet --no-deps --timeout 30 --retries 1 --dest "$WORK/wheels" \
+            --index-url https://download.pytorch.org/whl/cpu "$torch_req" >>"$WORK/wheels.log" 2>&1 || {
+        tail -20 "$WORK/wheels.log"
+        fail "no $torch_req wheel: not on this machine, and PyTorch's CPU index did not answer"
+    }
+    # the rest, from pip's indexes (hivemind from its wheel; sdists are built into wheels here)
+    "$py" -m pip wheel --quiet --wheel-dir "$WORK/wheels" --find-links "$WORK/wheels" --only-binary hivemind,torch \
+        "$torch_req" -r "$WORK/requirements.txt" "setuptools>=68" wheel >>"$WORK/wheels.log" 2>&1 || {
+        tail -20 "$WORK/wheels.log"
+        fail "could not build the wheelhouse with $py"
+    }
+    wheels_args=(--volume "$WORK/wheels:/wheels:ro" --build-arg WHEELS=/wheels)
+    say "time wheelhouse=$((SECONDS - t))s ($(find "$WORK/wheels" -name '*.whl' | wc -l) wheels, $(du -sh "$WORK/wheels" | cut -f1))"
+else
+    say "no Python 3.11 on x86_64 glibc here to build a wheelhouse with: the build downloads from the indexes"
+fi
+
+# --- 3. the build: the Dockerfile's cpu variant ---------------------------------------------------------------------
+t=$SECONDS
+"${B[@]}" bud --isolation chroot --pull=never --layers=false \
+    --build-arg VARIANT=cpu --build-arg BASE_IMAGE="$BASE_TAG" "${wheels_args[@]}" \
+    --tag "$IMAGE_TAG" --file "$REPO/Dockerfile" "$REPO" >"$WORK/build.log" 2>&1 || {
+    tail -40 "$WORK/build.log"
+    fail "buildah bud failed"
+}
+grep -E '^torch [0-9]' "$WORK/build.log" | sed 's/^/SMOKE build: /'
+size="$("${B[@]}" images --format '{{.Size}}' "$IMAGE_TAG")"
+say "time build=$((SECONDS - t))s (image $IMAGE_TAG, $size)"
+
+# --- 4. the image's config and a run of it --------------------------------------------------------------------------
+config="$("${B[@]}" inspect --type image "$IMAGE_TAG")"
+python3 - "$config" <<'EOF' || fail "unexpected image config"
+import json, sys
+c = json.loads(sys.argv[1])["OCIv1"]["config"]
+want = {
+    "Entrypoint": ["sentinel-node"],
+    "Cmd": ["--help"],
+    "User": "sentinel",
+    "WorkingDir": "/data",
+    "Volumes": ["/data"],
+    "ExposedPorts": ["31337/tcp", "9400/tcp"],
+}
+got = {k: sorted(c.get(k) or {}) if k in ("Volumes", "ExposedPorts") else c.get(k) for k in want}
+for k, v in want.items():
+    print(f"SMOKE config {k}={json.dumps(got[k])}")
+sys.exit(got != want)
+EOF
+
+t=$SECONDS
+ctr="$("${B[@]}" from --pull=never "$IMAGE_TAG")"
+run() { "${B[@]}" run --isolation chroot "$ctr" -- "$@"; }
+say "run id: $(run id -un):$(run id -gn), HOME=$(run sh -c 'echo $HOME'), data owned by $(run stat -c %U /data)"
+run python -c 'import torch, hivemind; print("SMOKE run versions: torch", torch.__version__, "hivemind",
+    hivemind.__version__, "cuda", torch.version.cuda)'
+help="$(run sentinel-node --help)" || fail "sentinel-node --help failed"
+for command in join demo simulate swarm bench; do
+    grep -qE "^  $command " <<<"$help" || fail "sentinel-node --help lists no '$command': $help"
+done
+say "run help: sentinel-node --help lists join, demo, simulate, swarm, bench"
+run sentinel-node join --help | grep -q -- '--initial-peers' || fail "join --help has no --initial-peers"
+
+# A whole swarm inside the container: real p2pd daemons and DHTs on its loopback, two training steps.
+d=$SECONDS
+demo_json="$(run timeout 300 sentinel-node demo --steps 2 --attack none --json 2>"$WORK/demo.err")" || {
+    tail -40 "$WORK/demo.err"
+    fail "sentinel-node demo inside the image failed"
+}
+say "run demo ($((SECONDS - d))s): $demo_json"
+python3 - "$demo_json" <<'EOF' || fail "the demo's summary is not what a healthy two-step run gives"
+import json, math, sys
+s = json.loads(sys.argv[1].strip().splitlines()[-1])
+mb = s["microbatches"]
+ok = (
+    s["steps"] == 2
+    and math.isfinite(s["first_loss"]) and math.isfinite(s["last_loss"])
+    and mb["succeeded"] > 0 and mb["failed"] == 0 and mb["consistent"]
+    and s["excluded"] == [] and s["honest_excluded"] == []
+    and s["verifier_checks"] > 0
+)
+print(f"SMOKE demo checked: steps={s['steps']} loss {s['first_loss']} -> {s['last_loss']}, "
+      f"microbatches {mb['succeeded']}/{mb['sent']} succeeded, verifier checks {s['verifier_checks']}")
+sys.exit(not ok)
+EOF
+say "time run=$((SECONDS - t))s"
+say "OK total=$((SECONDS - started))s"
