@@ -5,19 +5,22 @@
 #   2. build a wheelhouse from this machine's pip (torch 2.13.0 CPU, hivemind's wheel, every dependency);
 #   3. `buildah bud --isolation chroot` the Dockerfile's cpu variant on that base, installing from the wheelhouse;
 #   4. check the image's config (entry point, user, volume, ports), then `buildah run` it: `sentinel-node --help`,
-#      and a real networked run inside it: `sentinel-node demo --steps 2 --attack none --json` (a bootstrap,
-#      stages, verifiers and a trainer, each with its own hivemind DHT and p2pd, on the container's loopback).
+#      and docker-compose.yml's own bootstrap and verifier0 services, each in a container of the image: the
+#      verifier waits for the multiaddrs the bootstrap's entry point writes to the shared /swarm, joins (real
+#      hivemind DHTs and p2pd daemons), `swarm status` finds both online, both serve Prometheus metrics.
+#      SMOKE_DEMO=1 also runs `sentinel-node demo --steps 2` (a whole swarm training two steps) in the image.
 #
 # Everything (rootfs, buildah's storage, the wheelhouse) lives in one temporary folder removed at the end.
 # Lines starting with "SMOKE " are what tests/test_image.py reads; the last one is "SMOKE OK ..." on success.
 # Exit status: 0 passed, 77 skipped (this machine cannot run buildah: not root, no apt to install it, or no
 # namespaces), anything else failed.
 #
-#   sudo scripts/image_smoke.sh            # about 4-5 minutes on 2 cores
+#   sudo scripts/image_smoke.sh            # about 4 minutes on 2 idle cores
 #
 # Environment: DEBIAN_MIRROR (default http://deb.debian.org/debian), SMOKE_TMPDIR (parent of the work folder,
-# default /var/tmp), SMOKE_KEEP=1 keeps the work folder, SMOKE_PYTHON (the pip that builds the wheelhouse).
-set -euo pipefail
+# default /var/tmp), SMOKE_KEEP=1 keeps the work folder and images, SMOKE_PYTHON (the pip that builds the
+# wheelhouse), SMOKE_DEMO=1 (above).
+set -Eeuo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
@@ -27,6 +30,7 @@ TORCH_VERSION=2.13.0
 SKIP=77
 
 say() { echo "SMOKE $*"; }
+trap 'say "FAIL at line $LINENO: $BASH_COMMAND"' ERR
 skip() {
     say "SKIP $*"
     exit "$SKIP"
@@ -59,9 +63,23 @@ driver=vfs
 if grep -qw overlay /proc/filesystems 2>/dev/null || modprobe overlay 2>/dev/null; then driver=overlay; fi
 B=(buildah --root "$WORK/storage" --runroot "$WORK/run" --storage-driver "$driver")
 
+node_groups=() # process groups of the nodes started in the image (section 4)
+stop_nodes() {   # SIGTERM to each group (as Ctrl-C would), SIGKILL to what is left after 20 s
+    local group i
+    [ "${#node_groups[@]}" -gt 0 ] || return 0
+    for group in "${node_groups[@]}"; do kill -TERM -- "-$group" 2>/dev/null || true; done
+    for i in $(seq 20); do
+        for group in "${node_groups[@]}"; do kill -0 -- "-$group" 2>/dev/null && break; done || break
+        sleep 1
+    done
+    for group in "${node_groups[@]}"; do kill -KILL -- "-$group" 2>/dev/null || true; done
+    node_groups=()
+}
+
 cleanup() {
     local rc=$?
     set +e
+    stop_nodes
     if [ "${SMOKE_KEEP:-0}" = 1 ]; then
         say "kept $WORK: ${B[*]} images"
         exit "$rc"
@@ -170,14 +188,108 @@ done
 say "run help: sentinel-node --help lists join, demo, simulate, swarm, bench"
 run sentinel-node join --help | grep -q -- '--initial-peers' || fail "join --help has no --initial-peers"
 
-# A whole swarm inside the container: real p2pd daemons and DHTs on its loopback, two training steps.
-d=$SECONDS
-demo_json="$(run timeout 300 sentinel-node demo --steps 2 --attack none --json 2>"$WORK/demo.err")" || {
-    tail -40 "$WORK/demo.err"
-    fail "sentinel-node demo inside the image failed"
+# docker-compose.yml's wiring, run from the compose file itself: its bootstrap and its verifier0, each in a
+# container of the image with their own /data and a shared /swarm. The verifier starts first and waits for
+# /swarm/initial-peers, which the bootstrap's entry point writes from what it prints; then `swarm status` (the
+# compose file's own example) must find both in the DHT, and both serve metrics. buildah run shares this machine's
+# network namespace, so the compose ports 31337 and 9400 are swapped for free ones.
+read -r boot_p2p boot_metrics verifier_p2p verifier_metrics < <(python3 -c 'import socket
+socks = [socket.socket() for _ in range(4)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(*[s.getsockname()[1] for s in socks])')
+compose_argv() { # SERVICE P2P_PORT METRICS_PORT: the service's entry point and command, NUL-separated
+    "${B[@]}" run --isolation chroot -v "$REPO/docker-compose.yml:/compose.yml:ro" "$ctr" -- python -c '
+import sys, yaml
+name, p2p, metrics = sys.argv[1:]
+service = yaml.safe_load(open("/compose.yml"))["services"][name]
+argv = [str(a).replace("$$", "$") for a in service["entrypoint"] + service["command"]]
+argv = [metrics if a == "9400" else a.replace("/tcp/31337", f"/tcp/{p2p}") for a in argv]
+sys.stdout.write("\0".join(argv))
+' "$@"
 }
-say "run demo ($((SECONDS - d))s): $demo_json"
-python3 - "$demo_json" <<'EOF' || fail "the demo's summary is not what a healthy two-step run gives"
+mapfile -d '' -t boot_argv < <(compose_argv bootstrap "$boot_p2p" "$boot_metrics")
+mapfile -d '' -t verifier_argv < <(compose_argv verifier0 "$verifier_p2p" "$verifier_metrics")
+[ "${#boot_argv[@]}" -gt 4 ] && [ "${#verifier_argv[@]}" -gt 4 ] || fail "cannot read docker-compose.yml's services"
+mkdir -p "$WORK/swarm"
+chown "$(run id -u)" "$WORK/swarm"
+start_node() { # NAME ARGV...: a container of the image running ARGV in the background, in its own process group
+    local name=$1 node
+    shift
+    node="$("${B[@]}" from --pull=never --name "smoke-$name" "$IMAGE_TAG")"
+    setsid "${B[@]}" run --isolation chroot -v "$WORK/swarm:/swarm" "$node" -- "$@" \
+        >"$WORK/$name.out" 2>"$WORK/$name.err" </dev/null &
+    node_groups+=("$!")
+}
+wait_for() { # SECONDS COMMAND...: until COMMAND succeeds
+    local deadline=$((SECONDS + $1))
+    shift
+    until "$@"; do
+        [ "$SECONDS" -lt "$deadline" ] || return 1
+        sleep 1
+    done
+}
+node_log() { # NAME: its stdout and the tail of its stderr, for a failure
+    echo "--- $1 stdout"
+    cat "$WORK/$1.out"
+    echo "--- $1 stderr"
+    tail -30 "$WORK/$1.err"
+}
+c=$SECONDS
+start_node verifier "${verifier_argv[@]}"
+wait_for 30 grep -q "waiting for the bootstrap" "$WORK/verifier.out" || {
+    node_log verifier
+    fail "the compose verifier did not wait for the bootstrap"
+}
+start_node bootstrap "${boot_argv[@]}"
+wait_for 120 test -s "$WORK/swarm/initial-peers" || {
+    node_log bootstrap
+    fail "the compose bootstrap wrote no /swarm/initial-peers"
+}
+say "compose initial-peers: $(cat "$WORK/swarm/initial-peers")"
+wait_for 120 grep -q " is up" "$WORK/verifier.out" || {
+    node_log verifier
+    fail "the compose verifier did not join"
+}
+boot_id="$(awk '/^node .* is up/ {print $2; exit}' "$WORK/bootstrap.out")"
+verifier_id="$(awk '/^node .* is up/ {print $2; exit}' "$WORK/verifier.out")"
+say "compose nodes up ($((SECONDS - c))s): bootstrap $boot_id, verifier $verifier_id"
+status_ctr="$("${B[@]}" from --pull=never --name smoke-status "$IMAGE_TAG")"
+status_ok() {
+    "${B[@]}" run --isolation chroot -v "$WORK/swarm:/swarm" "$status_ctr" -- \
+        sh -c 'sentinel-node swarm status --json --initial-peers "$(cat /swarm/initial-peers)"' \
+        >"$WORK/status.json" 2>"$WORK/status.err" &&
+        python3 - "$WORK/status.json" "$boot_id" "$verifier_id" <<'EOF'
+import json, sys
+status, boot, verifier = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
+bootstraps = {a["peer_id"]: a["state"] for a in status["bootstraps"]}
+verifiers = {a["peer_id"]: a["state"] for a in status["verifiers"]}
+sys.exit(not (bootstraps.get(boot) == "online" and verifiers.get(verifier) == "online"))
+EOF
+}
+wait_for 60 status_ok || {
+    cat "$WORK/status.json" "$WORK/status.err"
+    fail "swarm status does not list the compose bootstrap and verifier online"
+}
+say "compose swarm status: bootstrap $boot_id online, verifier $verifier_id online"
+for port in "$boot_metrics" "$verifier_metrics"; do
+    python3 -c 'import sys, urllib.request
+text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=10).read().decode()
+print("SMOKE compose metrics:", next(line for line in text.splitlines() if line.startswith("sentinel_node_info")))' \
+        "$port" || fail "no metrics on port $port"
+done
+stop_nodes
+say "time compose=$((SECONDS - c))s"
+
+if [ "${SMOKE_DEMO:-0}" = 1 ]; then
+    # A whole swarm inside one container: the demo's bootstrap, stages, verifiers and trainer, two steps (60-90 s).
+    d=$SECONDS
+    demo_json="$(run timeout 300 sentinel-node demo --steps 2 --attack none --json 2>"$WORK/demo.err")" || {
+        tail -40 "$WORK/demo.err"
+        fail "sentinel-node demo inside the image failed"
+    }
+    say "run demo ($((SECONDS - d))s): $demo_json"
+    python3 - "$demo_json" <<'EOF' || fail "the demo's summary is not what a healthy two-step run gives"
 import json, math, sys
 s = json.loads(sys.argv[1].strip().splitlines()[-1])
 mb = s["microbatches"]
@@ -192,5 +304,6 @@ print(f"SMOKE demo checked: steps={s['steps']} loss {s['first_loss']} -> {s['las
       f"microbatches {mb['succeeded']}/{mb['sent']} succeeded, verifier checks {s['verifier_checks']}")
 sys.exit(not ok)
 EOF
+fi
 say "time run=$((SECONDS - t))s"
 say "OK total=$((SECONDS - started))s"
