@@ -68,7 +68,7 @@ print("\n".join(p["dependencies"] + [r for e in sys.argv[2:] for r in p["optiona
     pip install --no-cache-dir $source --only-binary hivemind -r /tmp/requirements.txt; \
     rm /tmp/requirements.txt
 
-# The project itself, editable: its configs/ are found next to the package (sentinel_node/config.py).
+# The project itself, editable (configs/ links to the package's own sentinel_node/configs/).
 COPY . /opt/sentinel-node
 RUN set -eu; \
     if [ -n "$WHEELS" ]; then source="--no-index --find-links $WHEELS"; else source=""; fi; \

@@ -14,7 +14,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
 
 
 class ConfigError(ValueError):

@@ -34,7 +34,7 @@ import yaml
 from sentinel_node.config import Config, load_config
 from sentinel_node.roles.common import descendants
 
-DEMO_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+DEMO_CONFIG_PATH = Path(__file__).resolve().parent / "configs" / "demo.yaml"
 CLI = [sys.executable, "-c", "from sentinel_node.cli import main; main()"]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
