@@ -106,13 +106,14 @@ def test_metrics_of_live_nodes_move_while_they_train(demo):
         for direction in ("activation", "gradient"):
             key = ("sentinel_checks_total", boundary, direction)
             assert verifier[key] > early["verifier0"][key] > 0, (key, early["verifier0"], verifier)
-    # every microbatch of the steps done so far has settled, and the counts say how
+    # every microbatch of the steps done so far has settled, and the counts say how (the trainer, a process of its
+    # own, may already have settled some of the next step's when the test reads its step record)
     mb, per_step = "sentinel_microbatches_total", demo.config.pipeline.microbatches_per_step
-    assert total(trainer, mb) == per_step * (SCRAPE_AT[1] + 1) > total(early["trainer"], mb)
+    assert total(trainer, mb) >= per_step * (SCRAPE_AT[1] + 1) > total(early["trainer"], mb)
     assert trainer[(mb, "succeeded")] > early["trainer"][(mb, "succeeded")]
     served = ("sentinel_microbatches_total", "served")
     assert stage[served] > early["stage1-0"][served]
-    assert trainer[("sentinel_global_step",)] == SCRAPE_AT[1]
+    assert trainer[("sentinel_global_step",)] >= SCRAPE_AT[1] > early["trainer"][("sentinel_global_step",)]
     assert stage[("sentinel_global_step",)] >= SCRAPE_AT[1] - 1
     assert trainer[("sentinel_tokens_per_second",)] > 0 and 0 < trainer[("sentinel_loss", "train")] < 10
     assert trainer[("sentinel_swarm_peers", "stage")] >= 5 and trainer[("sentinel_swarm_peers", "verifier")] == 2
