@@ -116,7 +116,8 @@ def test_metrics_of_live_nodes_move_while_they_train(demo):
     assert trainer[("sentinel_global_step",)] >= SCRAPE_AT[1] > early["trainer"][("sentinel_global_step",)]
     assert stage[("sentinel_global_step",)] >= SCRAPE_AT[1] - 1
     assert trainer[("sentinel_tokens_per_second",)] > 0 and 0 < trainer[("sentinel_loss", "train")] < 10
-    assert trainer[("sentinel_swarm_peers", "stage")] >= 5 and trainer[("sentinel_swarm_peers", "verifier")] == 2
+    # 6 replicas, less the attacker once excluded and stage2-1 once its announcement expired
+    assert 4 <= trainer[("sentinel_swarm_peers", "stage")] <= 6 and trainer[("sentinel_swarm_peers", "verifier")] == 2
     # the attack (from step ATTACK_START) is flagged, struck and ends in a ban and a swarm-wide exclusion
     flags = total(after["verifier0"], "sentinel_flags_total")
     assert flags > total(early["verifier0"], "sentinel_flags_total") == 0
