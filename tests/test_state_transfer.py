@@ -135,3 +135,33 @@ def test_another_optimizers_state_loads_parameters_only(sender):
     for x, y in zip(sender.module.state_dict().values(), joiner.module.state_dict().values(), strict=True):
         assert torch.equal(x, y)
     assert joiner.optimizer.state_dict()["state"] == {}
+
+
+def test_replica_state_saves_when_due_resumes_and_refuses_a_damaged_directory(tmp_path):
+    from sentinel_node.pipeline.checkpoint import list_checkpoints
+    from sentinel_node.roles.common import NodeError
+    from sentinel_node.roles.replica_state import ReplicaState
+
+    w = worker()
+    state = ReplicaState(w, HASH, str(tmp_path), checkpoint_every=3)
+    assert state.resume() is None and state.step == -1
+    for step in range(5):
+        train(w, range(step, step + 1))
+        with state.lock:
+            state.step = step
+        state.save(force=False)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [0, 3] and state.saved == 2
+    state.save()  # shutdown: the last step, due or not
+    state.save()  # once
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 4] and state.saved == 3
+
+    again = ReplicaState(worker(), HASH, str(tmp_path), checkpoint_every=3)
+    assert again.resume() == 4 and again.step == 4 and again.resumed_from == 4
+    assert_same_state(w, again.worker)
+    metadata, tensors = again.current()
+    assert metadata["step"] == 4 and len(tensors) > len(metadata["model"])
+
+    newest = list_checkpoints(tmp_path)[-1][1]
+    newest.write_bytes(b"not a checkpoint")
+    with pytest.raises(NodeError, match="is corrupt or not a sentinel-node checkpoint"):
+        ReplicaState(worker(), HASH, str(tmp_path)).resume()

@@ -15,7 +15,7 @@ step; a forward for a later step first applies a step that was missed. Every ``p
 replica averages its parameters with the stage's other live replicas (see :mod:`sentinel_node.roles.averaging`).
 
 State: with ``--state-dir`` the replica resumes from its newest checkpoint there, and saves one every
-``checkpoint_every`` global steps and on shutdown (see :mod:`sentinel_node.pipeline.checkpoint`). Before it
+``checkpoint_every`` global steps and on shutdown (see :mod:`sentinel_node.roles.replica_state`). Before it
 serves, it downloads the stage's state from a live replica the swarm view names and keeps it when it is ahead of
 its own; it then shares its own state with replicas that join later.
 
@@ -42,20 +42,12 @@ from peers import LivenessBlacklist
 from sentinel_node.attacks import Attacker, AttackError, load_attack_file, make_attack
 from sentinel_node.config import Config
 from sentinel_node.pipeline import StageWorker
-from sentinel_node.pipeline.checkpoint import (
-    CheckpointError,
-    CheckpointPolicy,
-    capture_state,
-    load_checkpoint,
-    restore_state,
-    save_checkpoint,
-)
 from sentinel_node.pipeline.device import DeviceError
-from sentinel_node.pipeline.state_transfer import pack_state, unpack_state
 from sentinel_node.roles.averaging import ReplicaAverager
 from sentinel_node.roles.common import JoinOptions, NodeError, software_version
 from sentinel_node.roles.metrics import DHTPeerCount, Sample, serve_metrics, view_samples
 from sentinel_node.roles.reachability import Reachability
+from sentinel_node.roles.replica_state import ReplicaState
 from sentinel_node.roles.runtime import (
     STAGE_FORWARD,
     STAGE_STEP,
@@ -100,9 +92,6 @@ AttackTarget = Literal["activation", "gradient", "both"]
 # Averaging rounds: how long replicas look for each other, and how long a round may take in all.
 AVERAGE_MATCHMAKING_S = 2.0
 AVERAGE_TIMEOUT_S = 15.0
-# Joining: how long one replica's state may take to arrive, and how many rounds over the live replicas to try.
-STATE_DOWNLOAD_TIMEOUT_S = 60.0
-STATE_DOWNLOAD_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -173,12 +162,8 @@ def run_stage(
         worker = StageWorker(config.model, config.pipeline, settings.stage, seed=seed, device=settings.device)
     except DeviceError as e:
         raise NodeError(str(e)) from None
-    resumed = None
-    if settings.state_dir is not None:
-        try:
-            resumed = load_checkpoint(worker, settings.state_dir, config.swarm_hash())
-        except CheckpointError as e:
-            raise NodeError(str(e)) from None
+    state = ReplicaState(worker, config.swarm_hash(), settings.state_dir, settings.checkpoint_every)
+    state.resume()
     with pipeline_node(options, stop_event) as context:
         averager = None
         if settings.average:
@@ -190,18 +175,10 @@ def run_stage(
                 timeout=AVERAGE_TIMEOUT_S,
             )
         try:
-            asyncio.run(StageNode(context, settings, worker, attackers, averager, resumed).serve(on_ready))
+            asyncio.run(StageNode(context, settings, worker, attackers, averager, state).serve(on_ready))
         finally:
             if averager is not None:
                 averager.shutdown()
-
-
-def capture_state_tensors(worker: StageWorker) -> list[torch.Tensor]:
-    """The tensors a replica's state holds: parameters and buffers, and the optimizer's moments."""
-    tensors = list(worker.module.state_dict().values())
-    for values in worker.optimizer.state_dict()["state"].values():
-        tensors += [v for v in values.values() if isinstance(v, torch.Tensor)]
-    return tensors
 
 
 class StageNode:
@@ -214,7 +191,7 @@ class StageNode:
         worker: StageWorker,
         attackers: dict[str, Attacker],
         averager: ReplicaAverager | None,
-        resumed: int | None = None,
+        state: ReplicaState,
     ) -> None:
         self.context, self.settings, self.worker = context, settings, worker
         self.config = context.config
@@ -229,15 +206,9 @@ class StageNode:
         self.gate = Gatekeeper(self.views)
         self.blacklist = LivenessBlacklist()
         self.p2p: P2P | None = None
-        self.last_step = -1 if resumed is None else resumed  # the last global step applied (or being applied)
-        self.applied_step = self.last_step  # the step the parameters are at (changed under _state_lock)
-        self.resumed_from = resumed
-        self.synced_from: str | None = None  # the replica whose state this one took when it joined
+        self.state = state
+        self.last_step = state.step  # the last global step applied (or being applied)
         self.reachability: Reachability | None = None
-        self._state_lock = threading.Lock()
-        self.checkpoints = None
-        if settings.state_dir is not None:
-            self.checkpoints = CheckpointPolicy(settings.checkpoint_every, last_saved=resumed)
         self.stats = {
             "served": 0,
             "evaluated": 0,
@@ -245,7 +216,6 @@ class StageNode:
             "failed": 0,
             "attacked": 0,
             "steps": 0,
-            "checkpoints": 0,
         }
         self.averaging: asyncio.Task | None = None
         self.averaged_with: list[str] = []
@@ -264,8 +234,9 @@ class StageNode:
         metrics = serve_metrics(context.metrics_port, self._samples)  # first: a taken port fails the start at once
         self.p2p = await replicate_p2p(context)
         if self.averager is not None:
-            await self._sync_state()
-            self.averager.share_state(self._current_state)
+            await self.state.sync(self._other_replicas, self.averager, self.lane)
+            self.last_step = self.state.step
+            self.averager.share_state(self.state.current)
         server = TensorServer(self.p2p, self.transport)
         if self.worker.is_first:
             expect = [self.shapes.tokens, self.shapes.tokens]
@@ -298,89 +269,23 @@ class StageNode:
                 await bounded(server.remove_handlers(), 5, "removing the handlers")
             announcer.stop(offline=context.dht.is_alive())
             with contextlib.suppress(Exception):  # a failed save is logged inside; the stop goes on
-                await self.lane.run(self._save_checkpoint, self.applied_step)
+                await self.lane.run(self.state.save)
             self._write_status()
             self.lane.close()
             if metrics is not None:
                 metrics.stop()
             await bounded(self.p2p.shutdown(), 5, "closing the libp2p handle")
 
-    # --- state: checkpoints, and the state a joining replica takes from a live one
-
-    async def _sync_state(self) -> None:
-        """Takes the stage's state from a live replica when it is ahead of this one's (a checkpoint's or a fresh
-        start's); NodeError when live replicas exist but none could give a usable state and this one has no
-        checkpoint (serving freshly initialised weights would drag the stage back)."""
-        attempted: list[str] = []
-        for attempt in range(STATE_DOWNLOAD_ROUNDS):
-            view = await self.views.refresh(force=True)
-            sources = [a.peer_id for a in view.live_replicas(self.stage) if a.peer_id != self.context.peer_id]
-            if not sources:
-                if attempt == 0:
-                    logger.info(f"stage {self.stage}: no other live replica; starting at step {self.last_step}")
-                    return
-                break
-            for peer in sources:
-                attempted.append(peer)
-                if await self._take_state_from(peer):
-                    return
-            await asyncio.sleep(1.0)
-        if self.resumed_from is None:
-            raise NodeError(
-                f"stage {self.stage}: no live replica ({', '.join(dict.fromkeys(attempted))}) gave a usable state "
-                "in time; serving fresh weights would set the stage back. Check the log above, then rejoin"
-            )
-        logger.warning(
-            f"stage {self.stage}: no live replica gave a usable state; going on from checkpoint step {self.last_step}"
-        )
-
-    async def _take_state_from(self, peer: str) -> bool:
-        """Whether ``peer``'s state was taken, or was not ahead of this replica's own."""
-        max_bytes = 4 * sum(t.numel() * t.element_size() for t in capture_state_tensors(self.worker)) + (1 << 20)
-        state = await asyncio.to_thread(self.averager.download_state, peer, STATE_DOWNLOAD_TIMEOUT_S, max_bytes)
-        if state is None:
-            return False
-        origin = f"the state of stage {self.stage} replica {peer}"
-        try:
-            groups = self.worker.optimizer.state_dict()["param_groups"]
-            payload = unpack_state(*state, origin=origin, param_groups=groups)
-            step = payload["step"]
-            if not isinstance(step, int) or step <= self.last_step:
-                logger.info(f"stage {self.stage}: {origin} is at step {step}, not ahead of this one's; keeping ours")
-                return True
-            fix = "it cannot be used; trying another replica"
-            await self.lane.run(restore_state, self.worker, payload, origin, self.config.swarm_hash(), fix, True)
-        except CheckpointError as e:
-            logger.warning(str(e))
-            return False
-        self.last_step = self.applied_step = step
-        self.synced_from = peer
-        logger.info(f"stage {self.stage}: took the state at step {step} from replica {peer}")
-        return True
-
-    def _current_state(self):
-        """What a joining replica downloads (called from the averager's thread in this process)."""
-        with self._state_lock:
-            return pack_state(capture_state(self.worker, self.applied_step, self.config.swarm_hash()))
-
-    def _save_checkpoint(self, step: int, force: bool = True) -> None:
-        policy = self.checkpoints
-        if policy is None or step < 0 or step == policy.last_saved or not (force or policy.due(step)):
-            return
-        try:
-            save_checkpoint(self.worker, self.settings.state_dir, step, self.config.swarm_hash())
-        except (OSError, ValueError) as e:
-            logger.warning(f"stage {self.stage}: checkpoint at step {step} not saved: {e}")
-            return
-        policy.saved(step)
-        self.stats["checkpoints"] += 1
+    async def _other_replicas(self) -> list[str]:
+        view = await self.views.refresh(force=True)
+        return [a.peer_id for a in view.live_replicas(self.stage) if a.peer_id != self.context.peer_id]
 
     def _samples(self) -> list[Sample]:
         samples = [
             Sample("sentinel_node_info", 1, ("stage", self.context.peer_id)),
             Sample("sentinel_global_step", self.last_step),
             Sample("sentinel_tokens_per_second", self._throughput),
-            Sample("sentinel_checkpoints_saved", self.stats["checkpoints"]),
+            Sample("sentinel_checkpoints_saved", self.state.saved),
             Sample("sentinel_dht_peers", self._dht_peers()),
         ]
         for outcome in ("served", "evaluated", "dropped", "failed"):
@@ -443,8 +348,9 @@ class StageNode:
                 "peer_id": self.context.peer_id,
                 "attacker": bool(self.attackers),
                 "last_step": self.last_step,
-                "resumed_from": self.resumed_from,
-                "synced_from": self.synced_from,
+                "resumed_from": self.state.resumed_from,
+                "synced_from": self.state.synced_from,
+                "checkpoints": self.state.saved,
                 "reachability": self.reachability.as_dict() if self.reachability else None,
                 "averaging_rounds": self.averager.rounds if self.averager else 0,
                 "averaged_with": self.averaged_with,
@@ -626,13 +532,13 @@ class StageNode:
         Parameters change only here, between global steps, when no microbatch holds a graph through them: changing
         them under a pending backward pass would fail it (autograd checks the versions of saved tensors).
         """
-        with self._state_lock:
+        with self.state.lock:
             stepped = self.worker.step(step)
             if self._averaged is not None:
                 self.averager.apply(self._averaged)
                 self._averaged = None
-            self.applied_step = step
-        self._save_checkpoint(step, force=False)
+            self.state.step = step
+        self.state.save(force=False)
         return stepped
 
     async def _average(self, step: int) -> None:

@@ -1,0 +1,145 @@
+"""A stage replica's state across restarts and joins: the checkpoints it keeps in ``--state-dir``, the state it
+takes from a live replica before it serves, and the state it gives replicas that join later.
+
+Parameters change only under :attr:`ReplicaState.lock` (the optimizer step and the merge of an averaging round), so
+a state shared with a joining replica is never half a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+from hivemind.utils import get_logger
+
+from sentinel_node.pipeline import StageWorker
+from sentinel_node.pipeline.checkpoint import (
+    CheckpointError,
+    CheckpointPolicy,
+    capture_state,
+    load_checkpoint,
+    restore_state,
+    save_checkpoint,
+)
+from sentinel_node.pipeline.state_transfer import pack_state, unpack_state
+from sentinel_node.roles.averaging import ReplicaAverager
+from sentinel_node.roles.common import NodeError
+from sentinel_node.roles.runtime import ComputeLane
+
+logger = get_logger(__name__)
+
+# Joining: how long one replica's state may take to arrive, and how many rounds over the live replicas to try.
+STATE_DOWNLOAD_TIMEOUT_S = 60.0
+STATE_DOWNLOAD_ROUNDS = 3
+
+
+class ReplicaState:
+    """The global step a replica's parameters are at, and what saves, restores and shares them."""
+
+    def __init__(
+        self, worker: StageWorker, config_hash: str, state_dir: str | None = None, checkpoint_every: int = 10
+    ) -> None:
+        self.worker, self.config_hash, self.state_dir = worker, config_hash, state_dir
+        self.stage = worker.stage
+        self.lock = threading.Lock()
+        self.step = -1  # the global step the parameters are at
+        self.resumed_from: int | None = None  # the checkpoint's step this replica started from
+        self.synced_from: str | None = None  # the replica whose state this one took when it joined
+        self.saved = 0
+        self.policy = CheckpointPolicy(checkpoint_every) if state_dir is not None else None
+
+    # --- checkpoints
+
+    def resume(self) -> int | None:
+        """Loads the newest checkpoint of ``state_dir`` (None without one); NodeError for an unusable one."""
+        if self.state_dir is None:
+            return None
+        try:
+            resumed = load_checkpoint(self.worker, self.state_dir, self.config_hash)
+        except CheckpointError as e:
+            raise NodeError(str(e)) from None
+        if resumed is not None:
+            self.step = self.resumed_from = self.policy.last_saved = resumed
+        return resumed
+
+    def save(self, force: bool = True) -> None:
+        """Saves a checkpoint of the current step (when due, without ``force``); a failure is logged, not raised.
+        Call it where the parameters are not in use (the stage's compute lane)."""
+        policy, step = self.policy, self.step
+        if policy is None or step < 0 or step == policy.last_saved or not (force or policy.due(step)):
+            return
+        try:
+            save_checkpoint(self.worker, self.state_dir, step, self.config_hash)
+        except (OSError, ValueError) as e:
+            logger.warning(f"stage {self.stage}: checkpoint at step {step} not saved: {e}")
+            return
+        policy.saved(step)
+        self.saved += 1
+
+    # --- sharing with replicas that join later
+
+    def current(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """What a joining replica downloads: copies, taken between optimizer steps (any thread)."""
+        with self.lock:
+            return pack_state(capture_state(self.worker, self.step, self.config_hash))
+
+    # --- joining
+
+    async def sync(
+        self, sources: Callable[[], Awaitable[list[str]]], averager: ReplicaAverager, lane: ComputeLane
+    ) -> None:
+        """Takes the stage's state from a live replica (``sources()`` names them) when it is ahead of this one's.
+
+        NodeError when live replicas exist but none gave a usable state and no checkpoint was resumed: serving
+        freshly initialised weights would drag the stage back."""
+        attempted: list[str] = []
+        for attempt in range(STATE_DOWNLOAD_ROUNDS):
+            peers = await sources()
+            if not peers:
+                if attempt == 0:
+                    logger.info(f"stage {self.stage}: no other live replica; starting at step {self.step}")
+                    return
+                break
+            for peer in peers:
+                attempted.append(peer)
+                if await self._take_from(peer, averager, lane):
+                    return
+            await asyncio.sleep(1.0)
+        if self.resumed_from is None:
+            raise NodeError(
+                f"stage {self.stage}: no live replica ({', '.join(dict.fromkeys(attempted))}) gave a usable state "
+                "in time; serving fresh weights would set the stage back. Check the log above, then rejoin"
+            )
+        logger.warning(f"stage {self.stage}: no live replica gave a usable state; going on from step {self.step}")
+
+    async def _take_from(self, peer: str, averager: ReplicaAverager, lane: ComputeLane) -> bool:
+        """Whether ``peer``'s state was taken, or was not ahead of this replica's own."""
+        state = await asyncio.to_thread(averager.download_state, peer, STATE_DOWNLOAD_TIMEOUT_S, self._max_bytes())
+        if state is None:
+            return False
+        origin = f"the state of stage {self.stage} replica {peer}"
+        try:
+            groups = self.worker.optimizer.state_dict()["param_groups"]
+            payload = unpack_state(*state, origin=origin, param_groups=groups)
+            step = payload["step"]
+            if not isinstance(step, int) or step <= self.step:
+                logger.info(f"stage {self.stage}: {origin} is at step {step}, not ahead of this one's; keeping ours")
+                return True
+            fix = "it cannot be used; trying another replica"
+            await lane.run(restore_state, self.worker, payload, origin, self.config_hash, fix, True)
+        except CheckpointError as e:
+            logger.warning(str(e))
+            return False
+        self.step, self.synced_from = step, peer
+        logger.info(f"stage {self.stage}: took the state at step {step} from replica {peer}")
+        return True
+
+    def _max_bytes(self) -> int:
+        """A bound on what a peer may send: 4x this replica's parameters and moments (moments may not exist yet)."""
+        tensors = list(self.worker.module.state_dict().values())
+        for values in self.worker.optimizer.state_dict()["state"].values():
+            tensors += [v for v in values.values() if isinstance(v, torch.Tensor)]
+        return 4 * sum(t.numel() * t.element_size() for t in tensors) + (1 << 20)
