@@ -16,13 +16,14 @@ from sentinel_node.config import load_config
 from sentinel_node.demo import CLI, DEMO_CONFIG_PATH, LocalSwarm
 from sentinel_node.roles.common import start_dht, stop_dht
 from sentinel_node.roles.reachability import (
+    CheckRateLimit,
     addresses_to_check,
     check_reachability,
     serve_reachability,
     tcp_endpoint,
 )
 from sentinel_node.roles.runtime import transport_settings
-from sentinel_node.transport import TensorServer
+from sentinel_node.transport import HopRefused, TensorServer
 
 PEER = "QmYmjRMDzTJYFwFd27VsbA8YJm79zcZDjWAQdQwG2m8sXR"
 
@@ -45,6 +46,17 @@ def test_only_direct_tcp_addresses_are_dialed_and_loopback_only_when_alone():
     assert addresses_to_check(["/ip4/127.0.0.1/tcp/5"]) == ["/ip4/127.0.0.1/tcp/5"]
 
 
+def test_a_caller_gets_one_check_per_interval():
+    limit = CheckRateLimit(interval=60)
+    limit(PEER)
+    with pytest.raises(HopRefused, match="one reachability check per 60s"):
+        limit(PEER)
+    limit("QmOtherPeerOtherPeerOtherPeerOtherPeer")  # others are not held back
+    unlimited = CheckRateLimit(interval=0)
+    unlimited(PEER)
+    unlimited(PEER)  # no refusal
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> Iterator[tuple]:
     """Two DHT nodes: ``a`` answers checks, ``b`` asks; and a third, ``mute``, that serves no check."""
@@ -59,7 +71,7 @@ def pair(tmp_path_factory) -> Iterator[tuple]:
     p2p_a, p2p_b = loop.run_until_complete(a.replicate_p2p()), loop.run_until_complete(b.replicate_p2p())
     settings = transport_settings(config)
     server = TensorServer(p2p_a, settings)
-    loop.run_until_complete(serve_reachability(server))
+    loop.run_until_complete(serve_reachability(server, interval=0))  # the tests below ask again at once
     try:
         yield loop, p2p_b, settings, identities, [str(m) for m in b.get_visible_maddrs()]
     finally:

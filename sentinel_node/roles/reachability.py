@@ -7,7 +7,8 @@ it. So at start a node asks its initial peers to dial the addresses it announces
 announces itself as relayed so trainers prefer direct peers.
 
 Every node answers such requests. It dials only the addresses the caller gives for itself, at most
-:data:`MAX_ADDRESSES`, each with a short timeout, and only TCP over IPv4/IPv6.
+:data:`MAX_ADDRESSES`, each with a short timeout, only TCP over IPv4/IPv6, and once per caller every
+:data:`CHECK_INTERVAL_S` seconds.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pydantic import Field
 from sentinel_node.transport import (
     Answer,
     HopError,
+    HopRefused,
     Incoming,
     RequestMetadata,
     TensorServer,
@@ -42,6 +44,7 @@ REACH_CHECK = "sentinel.reach.check"
 MAX_ADDRESSES = 8
 DIAL_TIMEOUT_S = 3.0
 CHECK_TIMEOUT_S = 8.0
+CHECK_INTERVAL_S = 10.0
 
 
 class ReachRequest(RequestMetadata):
@@ -127,9 +130,28 @@ async def _answer_check(incoming: Incoming[ReachRequest]) -> Answer:
     return Answer([], ReachReply(reachable=reachable, failed=failed))
 
 
-async def serve_reachability(server: TensorServer) -> None:
-    """Answers other nodes' reachability checks on ``server``."""
-    await server.add_handler(REACH_CHECK, _answer_check, ReachRequest, expect=[])
+class CheckRateLimit:
+    """One check per caller every ``interval`` seconds: a node checks itself once at start, and a peer must not
+    turn this node into a port scanner."""
+
+    def __init__(self, interval: float = CHECK_INTERVAL_S) -> None:
+        self.interval = interval
+        self._last: dict[str, float] = {}
+
+    def __call__(self, caller: str, _metadata: ReachRequest | None = None) -> None:
+        now = time.monotonic()
+        if len(self._last) > 10_000:  # forget callers long gone
+            self._last = {peer: t for peer, t in self._last.items() if now - t < self.interval}
+        last = self._last.get(caller)
+        if last is not None and now - last < self.interval:
+            raise HopRefused(f"one reachability check per {self.interval:.0f}s; ask again later")
+        self._last[caller] = now
+
+
+async def serve_reachability(server: TensorServer, interval: float = CHECK_INTERVAL_S) -> None:
+    """Answers other nodes' reachability checks on ``server``, once per caller every ``interval`` seconds."""
+    limit = CheckRateLimit(interval)
+    await server.add_handler(REACH_CHECK, _answer_check, ReachRequest, authorize=limit, expect=[])
 
 
 async def check_reachability(
