@@ -150,6 +150,7 @@ def test_replica_state_saves_when_due_resumes_and_refuses_a_damaged_directory(tm
         with state.lock:
             state.step = step
         state.save(force=False)
+        state.flush()  # periodic checkpoints are written in the background
     assert [s for s, _ in list_checkpoints(tmp_path)] == [0, 3] and state.saved == 2
     state.save()  # shutdown: the last step, due or not
     state.save()  # once
@@ -165,3 +166,41 @@ def test_replica_state_saves_when_due_resumes_and_refuses_a_damaged_directory(tm
     newest.write_bytes(b"not a checkpoint")
     with pytest.raises(NodeError, match="is corrupt or not a sentinel-node checkpoint"):
         ReplicaState(worker(), HASH, str(tmp_path)).resume()
+    state.close()
+
+
+def test_a_periodic_checkpoint_is_written_in_the_background_from_a_copy(tmp_path, monkeypatch):
+    import threading
+
+    import sentinel_node.roles.replica_state as replica_state
+    from sentinel_node.pipeline.checkpoint import list_checkpoints, load_checkpoint
+    from sentinel_node.roles.replica_state import ReplicaState
+
+    release, writing = threading.Event(), threading.Event()
+    real_write = replica_state.write_checkpoint
+
+    def slow_write(payload, directory, keep=2):
+        writing.set()
+        release.wait(10)
+        return real_write(payload, directory, keep)
+
+    monkeypatch.setattr(replica_state, "write_checkpoint", slow_write)
+    w = worker()
+    train(w, range(1))
+    state = ReplicaState(w, HASH, str(tmp_path), checkpoint_every=1)
+    state.step = 0
+    state.save(force=False)  # returns while the write waits
+    assert writing.wait(10) and list_checkpoints(tmp_path) == []
+    saved = snapshot(w)
+    train(w, range(1, 2))  # the replica trains on meanwhile
+    state.step = 1
+    state.save(force=False)  # the last one is still being written: skipped
+    release.set()
+    state.flush()
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [0] and state.saved == 1
+    restored = worker()
+    assert load_checkpoint(restored, tmp_path, HASH) == 0
+    assert all(torch.equal(saved[k], v) for k, v in restored.module.state_dict().items())  # step 0's copy
+    state.save()  # shutdown: step 1, now
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [0, 1] and state.saved == 2
+    state.close()

@@ -152,18 +152,35 @@ def save_checkpoint(worker: StageWorker, directory: str | Path, step: int, confi
     awaiting backward are not saved. Keeps the `keep` newest checkpoints (the latest and the previous by default)
     and removes temporary files a crashed save left behind.
     """
+    return write_checkpoint(snapshot_state(worker, step, config_hash), directory, keep)
+
+
+def snapshot_state(worker: StageWorker, step: int, config_hash: str) -> dict[str, Any]:
+    """A captured state whose tensors are copies on the CPU: :func:`write_checkpoint` may write it in another
+    thread while the worker trains on. Call it between global steps, as :func:`save_checkpoint`."""
     if step < 0:
         raise ValueError(f"step={step}: a checkpoint records an applied global step (0 or more)")
-    if keep < 1:
-        raise ValueError(f"keep={keep} must be at least 1")
-    directory = Path(directory)
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     if worker.accumulated or worker._pending:
         logger.info(
             f"checkpoint at step {step} leaves out {worker.accumulated} accumulated and "
             f"{len(worker._pending)} pending microbatches (they belong to a step not yet applied)"
         )
     payload = capture_state(worker, step, config_hash)
+    payload["model"] = {name: _copy(value) for name, value in payload["model"].items()}
+    optimizer = payload["optimizer"]
+    optimizer["state"] = {
+        index: {key: _copy(value) for key, value in values.items()} for index, values in optimizer["state"].items()
+    }
+    return payload
+
+
+def write_checkpoint(payload: dict[str, Any], directory: str | Path, keep: int = 2) -> Path:
+    """Writes a snapshot (:func:`snapshot_state`) atomically, prunes to the `keep` newest; returns its path."""
+    if keep < 1:
+        raise ValueError(f"keep={keep} must be at least 1")
+    step = payload["step"]
+    directory = Path(directory)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     _remove_stale_temporaries(directory)
     final = checkpoint_path(directory, step)
     # mkstemp creates the file 0600: the owner alone may read or replace a node's weights
@@ -180,8 +197,12 @@ def save_checkpoint(worker: StageWorker, directory: str | Path, step: int, confi
         raise
     _fsync_directory(directory)
     _prune(directory, final, step, keep)
-    logger.debug(f"stage {worker.stage}: saved checkpoint {final}")
+    logger.debug(f"stage {payload['stage']}: saved checkpoint {final}")
     return final
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
 
 
 def load_checkpoint(worker: StageWorker, directory: str | Path, config_hash: str) -> int | None:

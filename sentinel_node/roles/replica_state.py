@@ -2,7 +2,9 @@
 takes from a live replica before it serves, and the state it gives replicas that join later.
 
 Parameters change only under :attr:`ReplicaState.lock` (the optimizer step and the merge of an averaging round), so
-a state shared with a joining replica is never half a step.
+a state shared with a joining replica is never half a step. A periodic checkpoint is a copy taken between steps and
+written by a thread of its own, so the replica serves on while it reaches the disk; the one on shutdown is written
+at once.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -22,7 +25,8 @@ from sentinel_node.pipeline.checkpoint import (
     capture_state,
     load_checkpoint,
     restore_state,
-    save_checkpoint,
+    snapshot_state,
+    write_checkpoint,
 )
 from sentinel_node.pipeline.state_transfer import pack_state, unpack_state
 from sentinel_node.roles.averaging import ReplicaAverager
@@ -50,6 +54,8 @@ class ReplicaState:
         self.synced_from: str | None = None  # the replica whose state this one took when it joined
         self.saved = 0
         self.policy = CheckpointPolicy(checkpoint_every) if state_dir is not None else None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"checkpoints{self.stage}")
+        self._writing: Future | None = None
 
     # --- checkpoints
 
@@ -66,18 +72,40 @@ class ReplicaState:
         return resumed
 
     def save(self, force: bool = True) -> None:
-        """Saves a checkpoint of the current step (when due, without ``force``); a failure is logged, not raised.
-        Call it where the parameters are not in use (the stage's compute lane)."""
+        """Checkpoints the current step: when due, in the background (skipped while the last one is still being
+        written); with ``force`` (shutdown), now. A failure is logged, not raised. Call it where the parameters are
+        not in use (the stage's compute lane)."""
         policy, step = self.policy, self.step
         if policy is None or step < 0 or step == policy.last_saved or not (force or policy.due(step)):
             return
-        try:
-            save_checkpoint(self.worker, self.state_dir, step, self.config_hash)
-        except (OSError, ValueError) as e:
-            logger.warning(f"stage {self.stage}: checkpoint at step {step} not saved: {e}")
+        if not force and self._writing is not None and not self._writing.done():
+            logger.info(f"stage {self.stage}: the last checkpoint is still being written; skipping step {step}")
             return
+        self.flush()
+        payload = snapshot_state(self.worker, step, self.config_hash)
+        previous = policy.last_saved
         policy.saved(step)
+        self._writing = self._writer.submit(self._write, payload, previous)
+        if force:
+            self.flush()
+
+    def _write(self, payload: dict[str, Any], previous: int | None) -> None:
+        try:
+            write_checkpoint(payload, self.state_dir)
+        except Exception as e:  # a full disk, a lost mount: the replica serves on and tries again
+            logger.warning(f"stage {self.stage}: checkpoint at step {payload['step']} not saved: {e}")
+            self.policy.last_saved = previous  # due again at the next step
+            return
         self.saved += 1
+
+    def flush(self) -> None:
+        """Waits for a checkpoint being written."""
+        if self._writing is not None:
+            self._writing.result()
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.shutdown(wait=True)
 
     # --- sharing with replicas that join later
 

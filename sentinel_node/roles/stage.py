@@ -270,6 +270,7 @@ class StageNode:
             announcer.stop(offline=context.dht.is_alive())
             with contextlib.suppress(Exception):  # a failed save is logged inside; the stop goes on
                 await self.lane.run(self.state.save)
+            await asyncio.to_thread(self.state.close)
             self._write_status()
             self.lane.close()
             if metrics is not None:
