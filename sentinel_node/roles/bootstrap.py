@@ -15,7 +15,7 @@ from hivemind.utils import get_dht_time, get_logger
 
 from dht import Announcer, BootstrapAnnouncement
 from sentinel_node.roles.common import JoinOptions, software_version
-from sentinel_node.roles.metrics import DHTPeerCount, Sample, serve_metrics
+from sentinel_node.roles.metrics import serve_metrics
 from sentinel_node.roles.runtime import (
     NodeContext,
     bounded,
@@ -41,14 +41,8 @@ def run_bootstrap(
 
 async def _serve(context: NodeContext, on_ready: Callable[[str, list[str]], None]) -> None:
     config = context.config
-    peers = DHTPeerCount(context.dht)
-    metrics = serve_metrics(
-        context.metrics_port,
-        lambda: [
-            Sample("sentinel_node_info", 1, ("bootstrap", context.peer_id)),
-            Sample("sentinel_dht_peers", peers()),
-        ],
-    )  # first: a taken port fails the start at once
+    # first: a taken port fails the start at once
+    metrics = serve_metrics(context, "bootstrap")
     p2p = await replicate_p2p(context)
     server = TensorServer(p2p, transport_settings(config))
     reached = await reachability(context, p2p, server)

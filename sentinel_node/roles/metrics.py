@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from peers import SwarmView
 from sentinel_node.roles.common import NodeStartError
+from sentinel_node.roles.runtime import NodeContext
 
 logger = get_logger(__name__)
 
@@ -145,6 +146,23 @@ def view_samples(view: SwarmView) -> list[Sample]:
     return samples
 
 
-def serve_metrics(port: int | None, collect: Callable[[], Iterable[Sample]]) -> MetricsServer | None:
-    """A started :class:`MetricsServer` when ``port`` is given, else None."""
-    return None if port is None else MetricsServer(port, collect)
+def serve_metrics(
+    context: NodeContext,
+    role: str,
+    samples: Callable[[], Iterable[Sample]] = list,
+    view: Callable[[], SwarmView] | None = None,
+) -> MetricsServer | None:
+    """A started :class:`MetricsServer` when the node was given ``--metrics-port``, else None. It serves what every
+    node reports (who it is, its DHT peers and, with ``view``, what it sees of the swarm) and the role's own
+    ``samples()``."""
+    port = context.options.metrics_port
+    if port is None:
+        return None
+    dht_peers, peer_id = DHTPeerCount(context.dht), context.peer_id
+
+    def collect() -> list[Sample]:
+        found = [Sample("sentinel_node_info", 1, (role, peer_id)), Sample("sentinel_dht_peers", dht_peers())]
+        found += samples()
+        return found + (view_samples(view()) if view is not None else [])
+
+    return MetricsServer(port, collect)

@@ -136,9 +136,7 @@ class NodeContext:
     store: RecordStore
     stop: StopSignals
     maddrs: list[str]
-    metrics_port: int | None = None
-    initial_peers: tuple[str, ...] = ()
-    use_auto_relay: bool = False
+    options: JoinOptions
 
     @property
     def peer_id(self) -> str:
@@ -163,18 +161,7 @@ def pipeline_node(options: JoinOptions, stop_event: threading.Event | None = Non
         )
         try:
             maddrs = [str(maddr) for maddr in dht.get_visible_maddrs()]
-            store = record_store(dht, config, identity)
-            yield NodeContext(
-                config,
-                identity,
-                dht,
-                store,
-                stop,
-                maddrs,
-                options.metrics_port,
-                options.initial_peers,
-                options.use_auto_relay,
-            )
+            yield NodeContext(config, identity, dht, record_store(dht, config, identity), stop, maddrs, options)
         finally:
             stop_dht(dht)
 
@@ -362,8 +349,9 @@ async def bounded(awaitable: Awaitable, seconds: float, what: str) -> None:
 async def reachability(context: NodeContext, p2p: P2P, server: TensorServer) -> Reachability:
     """Answers other nodes' reachability checks from now on, and checks this node's own with its initial peers."""
     await serve_reachability(server)
-    result = await check_reachability(p2p, context.maddrs, peer_ids_of(context.initial_peers), server.settings)
-    report(result, context.use_auto_relay)
+    peers = peer_ids_of(context.options.initial_peers)
+    result = await check_reachability(p2p, context.maddrs, peers, server.settings)
+    report(result, context.options.use_auto_relay)
     return result
 
 

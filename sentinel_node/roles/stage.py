@@ -45,7 +45,7 @@ from sentinel_node.pipeline import StageWorker
 from sentinel_node.pipeline.device import DeviceError
 from sentinel_node.roles.averaging import ReplicaAverager
 from sentinel_node.roles.common import JoinOptions, NodeError, software_version
-from sentinel_node.roles.metrics import DHTPeerCount, Sample, serve_metrics, view_samples
+from sentinel_node.roles.metrics import Sample, serve_metrics
 from sentinel_node.roles.reachability import Reachability
 from sentinel_node.roles.replica_state import ReplicaState
 from sentinel_node.roles.runtime import (
@@ -230,8 +230,8 @@ class StageNode:
 
     async def serve(self, on_ready: Callable[[str, list[str]], None]) -> None:
         context = self.context
-        self._dht_peers = DHTPeerCount(context.dht)
-        metrics = serve_metrics(context.metrics_port, self._samples)  # first: a taken port fails the start at once
+        # first: a taken port fails the start at once
+        metrics = serve_metrics(context, "stage", self._samples, view=lambda: self.views.view)
         self.p2p = await replicate_p2p(context)
         if self.averager is not None:
             await self.state.sync(self._other_replicas, self.averager, self.lane)
@@ -283,15 +283,13 @@ class StageNode:
 
     def _samples(self) -> list[Sample]:
         samples = [
-            Sample("sentinel_node_info", 1, ("stage", self.context.peer_id)),
             Sample("sentinel_global_step", self.last_step),
             Sample("sentinel_tokens_per_second", self._throughput),
             Sample("sentinel_checkpoints_saved", self.state.saved),
-            Sample("sentinel_dht_peers", self._dht_peers()),
         ]
         for outcome in ("served", "evaluated", "dropped", "failed"):
             samples.append(Sample("sentinel_microbatches", self.stats[outcome], (outcome,)))
-        return samples + view_samples(self.views.view)
+        return samples
 
     def _announcement(self) -> StageAnnouncement:
         return StageAnnouncement(

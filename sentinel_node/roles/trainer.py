@@ -42,7 +42,7 @@ from dht import Announcer, TrainerAnnouncement
 from peers import LivenessBlacklist, NoRouteError, Route, SwarmView, choose_route
 from sentinel_node.model.corpus import Corpus, load_corpus, sample_batch, validation_batches
 from sentinel_node.roles.common import JoinOptions, NodeError, software_version
-from sentinel_node.roles.metrics import DHTPeerCount, Sample, serve_metrics, view_samples
+from sentinel_node.roles.metrics import Sample, serve_metrics
 from sentinel_node.roles.runtime import (
     STAGE_FORWARD,
     STAGE_STEP,
@@ -248,8 +248,8 @@ class TrainerNode:
 
     async def run(self, on_ready: Callable[[str, list[str]], None]) -> TrainerSummary:
         context = self.context
-        self._dht_peers = DHTPeerCount(context.dht)
-        metrics = serve_metrics(context.metrics_port, self._samples)  # first: a taken port fails the start at once
+        # first: a taken port fails the start at once
+        metrics = serve_metrics(context, "trainer", self._samples, view=lambda: self.views.view)
         self.p2p = await replicate_p2p(context)
         self.announcer = Announcer(
             context.store,
@@ -298,9 +298,7 @@ class TrainerNode:
     def _samples(self) -> list[Sample]:
         log, accounting = self._last_log, self.accounting
         samples = [
-            Sample("sentinel_node_info", 1, ("trainer", self.context.peer_id)),
             Sample("sentinel_global_step", self.step - 1),
-            Sample("sentinel_dht_peers", self._dht_peers()),
         ]
         for outcome in ("succeeded", "dropped", "failed"):
             samples.append(Sample("sentinel_microbatches", getattr(accounting, outcome), (outcome,)))
@@ -310,7 +308,7 @@ class TrainerNode:
                 samples.append(Sample("sentinel_loss", log.loss, ("train",)))
         if self.val_curve:
             samples.append(Sample("sentinel_loss", self.val_curve[-1][1], ("validation",)))
-        return samples + view_samples(self.views.view)
+        return samples
 
     def summary(self) -> TrainerSummary:
         gaps = self.duplicate_gaps

@@ -37,7 +37,7 @@ from peers import LivenessBlacklist
 from sentinel_node.config import Config
 from sentinel_node.pipeline import BoundaryVerifier
 from sentinel_node.roles.common import JoinOptions, NodeError, software_version
-from sentinel_node.roles.metrics import DHTPeerCount, Sample, serve_metrics, view_samples
+from sentinel_node.roles.metrics import Sample, serve_metrics
 from sentinel_node.roles.runtime import (
     STAGE_FORWARD,
     VERIFIER_RELAY,
@@ -221,8 +221,8 @@ class VerifierNode:
 
     async def serve(self, on_ready: Callable[[str, list[str]], None]) -> None:
         context = self.context
-        self._dht_peers = DHTPeerCount(context.dht)
-        metrics = serve_metrics(context.metrics_port, self._samples)  # first: a taken port fails the start at once
+        # first: a taken port fails the start at once
+        metrics = serve_metrics(context, "verifier", self._samples, view=lambda: self.views.view)
         self.p2p = await replicate_p2p(context)
         server = TensorServer(self.p2p, self.transport)
         # Tensors reach the handler unchecked (no expect, NaN allowed) so the verification core sees every
@@ -271,11 +271,9 @@ class VerifierNode:
     def _samples(self) -> list[Sample]:
         stats = self.stats
         samples = [
-            Sample("sentinel_node_info", 1, ("verifier", self.context.peer_id)),
             Sample("sentinel_microbatches", stats.relayed, ("relayed",)),
             Sample("sentinel_microbatches", stats.malformed, ("malformed",)),
             Sample("sentinel_peers_banned", len(self.checker.ledger.banned())),
-            Sample("sentinel_dht_peers", self._dht_peers()),
         ]
         for boundary in self.boundaries:
             for direction in ("activation", "gradient"):
@@ -284,7 +282,7 @@ class VerifierNode:
                 samples.append(Sample("sentinel_checks", checks, labels))
                 samples.append(Sample("sentinel_flags", flags, labels))
                 samples.append(Sample("sentinel_strikes_issued", strikes, labels))
-        return samples + view_samples(self.views.view)
+        return samples
 
     def _write_status(self) -> None:
         ledger = {
