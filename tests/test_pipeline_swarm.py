@@ -69,6 +69,7 @@ def demo(tmp_path_factory) -> Iterator[Demo]:
             if record["step"] == KILL_STAGE_AT:
                 running.swarm.kill("stage2-1")
             elif record["step"] == KILL_VERIFIER_AT:
+                running.scrapes["verifier1"] = scrape(running.node("verifier1"))  # its last words
                 running.swarm.kill("verifier1")
 
         running.train(on_step=chaos)
@@ -118,11 +119,14 @@ def test_metrics_of_live_nodes_move_while_they_train(demo):
     assert trainer[("sentinel_tokens_per_second",)] > 0 and 0 < trainer[("sentinel_loss", "train")] < 10
     # 6 replicas, less the attacker once excluded and stage2-1 once its announcement expired
     assert 4 <= trainer[("sentinel_swarm_peers", "stage")] <= 6 and trainer[("sentinel_swarm_peers", "verifier")] == 2
-    # the attack (from step ATTACK_START) is flagged, struck and ends in a ban and a swarm-wide exclusion
-    flags = total(after["verifier0"], "sentinel_flags_total")
-    assert flags > total(early["verifier0"], "sentinel_flags_total") == 0
-    assert total(after["verifier0"], "sentinel_strikes_issued_total") >= 1
-    assert after["verifier0"][("sentinel_peers_banned",)] >= 1 or after["verifier0"][("sentinel_peers_excluded",)] >= 1
+    # the attack (from step ATTACK_START) is flagged, struck and ends in a ban and a swarm-wide exclusion; by
+    # whichever verifier the attacker's tensors happened to cross (one ban excludes it, and then the other sees none)
+    verifiers = (after["verifier0"], demo.scrapes["verifier1"])
+    assert total(early["verifier0"], "sentinel_flags_total") == 0
+    assert sum(total(v, "sentinel_flags_total") for v in verifiers) > 0
+    assert sum(total(v, "sentinel_strikes_issued_total") for v in verifiers) >= 1
+    assert max(v[("sentinel_peers_banned",)] for v in verifiers) >= 1
+    assert after["verifier0"][("sentinel_peers_excluded",)] == 1
     assert after["stage1-0"][("sentinel_peers_excluded",)] == 1
 
 
