@@ -86,11 +86,9 @@ class VerifierOptions:
 
 @dataclass
 class CheckStats:
-    """What this verifier checked, per direction, and the CPU time it spent on it."""
+    """What this verifier checked, per boundary and direction, and the CPU time it spent on it."""
 
-    checks: dict[str, int] = field(default_factory=lambda: {"activation": 0, "gradient": 0})
-    flags: dict[str, int] = field(default_factory=lambda: {"activation": 0, "gradient": 0})
-    # per (boundary, direction): checks, flags, strikes given
+    # (boundary, direction) -> [checks, flags, strikes given]
     by_boundary: dict[tuple[int, str], list[int]] = field(default_factory=dict)
     skipped: int = 0
     malformed: int = 0
@@ -98,12 +96,24 @@ class CheckStats:
     cpu_s: float = 0.0
 
     def count(self, boundary: int, direction: str, flagged: bool, struck: bool) -> None:
-        self.checks[direction] += 1
-        self.flags[direction] += int(flagged)
         counts = self.by_boundary.setdefault((boundary, direction), [0, 0, 0])
         counts[0] += 1
         counts[1] += int(flagged)
         counts[2] += int(struck)
+
+    def per_direction(self, index: int) -> dict[str, int]:
+        totals = {"activation": 0, "gradient": 0}
+        for (_, direction), counts in self.by_boundary.items():
+            totals[direction] += counts[index]
+        return totals
+
+    @property
+    def checks(self) -> dict[str, int]:
+        return self.per_direction(0)
+
+    @property
+    def flags(self) -> dict[str, int]:
+        return self.per_direction(1)
 
     def as_dict(self) -> dict:
         checked = sum(self.checks.values())
