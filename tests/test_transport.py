@@ -548,3 +548,29 @@ def test_refusals_overload_and_crashes_are_coded() -> None:
                 await call_peer(client, server_p2p.peer_id, "nothing", [], soon(), settings=SETTINGS)
 
     asyncio.run(scenario())
+
+
+def test_what_a_caller_does_about_an_error_is_said_by_its_class_wherever_it_failed():
+    culprit = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    cases = {
+        HopUnavailable: (True, True, True, False),
+        HopDeadlineExceeded: (False, True, True, False),
+        HopOverloaded: (True, True, True, False),
+        HopInternal: (False, True, False, False),
+        HopRefused: (False, False, False, True),
+        HopBanned: (False, False, False, True),
+        HopMalformed: (False, False, False, False),
+    }
+    for cls, (retryable, avoid, unresponsive, view_behind) in cases.items():
+        direct = cls("went wrong", peer=culprit)
+        # the same failure one hop further down, as the caller's caller receives it
+        relayed = decode_error(encode_error(direct), peer="QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN")
+        assert relayed.culprit == culprit and relayed.cause is cls, (cls, relayed)
+        for error in (direct, relayed):
+            cause = error.cause
+            assert (cause.retryable, cause.avoid, cause.unresponsive, cause.view_behind) == (
+                retryable,
+                avoid,
+                unresponsive,
+                view_behind,
+            ), cls

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from sentinel_node.config import VerificationConfig
-from sentinel_node.verification import BoundaryMonitor, StrikeLedger, Verdict
+from sentinel_node.verification import BoundaryMonitor, StrikeLedger, Verdict, VerdictKind
 
 
 class BoundaryVerifier:
@@ -48,7 +48,7 @@ class BoundaryVerifier:
         if monitor is None:
             raise KeyError(f"this verifier does not serve boundary {boundary} ({direction})")
         if not self.enabled:
-            return Verdict(flagged=False, reason=None, tensor=tensor, skipped=True)
+            return Verdict(VerdictKind.SKIPPED, tensor)
         return monitor.check(tensor, sender, tainted=tainted)
 
     def is_banned(self, sender: str) -> bool:

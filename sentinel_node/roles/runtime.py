@@ -294,8 +294,7 @@ def order_candidates(
 def note_failures(blacklist: LivenessBlacklist, errors: Sequence[HopError]) -> None:
     """Suspends the peers that failed to answer (not those that refused or were refused)."""
     for error in errors:
-        code = getattr(error, "inner_code", error.code)
-        if code in ("unavailable", "deadline", "overloaded") and error.culprit:
+        if error.cause.unresponsive and error.culprit:
             blacklist.register_failure(error.culprit)
 
 

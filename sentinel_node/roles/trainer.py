@@ -95,14 +95,6 @@ class TrainerOptions:
         return self.only_verifiers, self.duplicate
 
 
-_AVOID_CODES = frozenset({"unavailable", "deadline", "overloaded", "internal"})
-
-
-def _code(error: HopError) -> str:
-    """What went wrong, wherever along the route it did."""
-    return getattr(error, "inner_code", error.code)
-
-
 class AccountingError(RuntimeError):
     """A microbatch was started or settled twice: a bug, never a network condition."""
 
@@ -465,9 +457,9 @@ class TrainerNode:
             note_failures(self.blacklist, failures)
             # a peer that failed to answer is avoided; one that refused did its job (the culprit of a refusal is
             # the refusing peer, not the peer it refused)
-            avoid.update(f.culprit for f in failures if f.culprit and _code(f) in _AVOID_CODES)
+            avoid.update(f.culprit for f in failures if f.culprit and f.cause.avoid)
             logger.info(f"microbatch {name}: attempt {attempt + 1} failed: {error}")
-        if any(_code(e) in ("refused", "banned") for e in errors):
+        if any(isinstance(e, HopError) and e.cause.view_behind for e in errors):
             # our view or theirs is behind (a peer just joined, or was just banned): catch up
             await asyncio.sleep(self.config.swarm.announce_period)
             await self.views.refresh(force=True)

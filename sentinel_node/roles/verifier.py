@@ -154,11 +154,6 @@ def run_verifier(
         asyncio.run(VerifierNode(context, settings, boundaries, checker).serve(on_ready))
 
 
-def is_malformed(reason: str | None) -> bool:
-    """Whether a verdict's reason is about the tensor's form (shape, dtype, NaN) rather than its statistics."""
-    return reason is not None and not reason.startswith("metric:") and reason != "drift"
-
-
 class StrikePublisher:
     """Publishes this verifier's latest verdict on each peer from a thread of its own (a DHT write can take
     seconds); records waiting for the thread are coalesced, only the newest per peer is written."""
@@ -350,9 +345,9 @@ class VerifierNode:
             raise HopMalformed(f"targets must be token ids in [0, {self.shapes.vocab})")
 
         verdict = await self._check(boundary, "activation", activation, caller, tainted=bool(meta.taint))
-        if is_malformed(verdict.reason):
+        if verdict.malformed:
             self.stats.malformed += 1
-            struck = f"; a strike was recorded against {caller}" if verdict.flagged else ""
+            struck = f"; a strike was recorded against {caller}" if verdict.struck else ""
             raise HopMalformed(f"activation at boundary {boundary}|{boundary + 1}: {verdict.reason}{struck}")
         if verdict.tensor is None:  # flagged and dropped by policy: the microbatch ends here
             return Answer([], MicrobatchReply(loss=None, taint=sorted({*meta.taint, boundary})))
@@ -384,7 +379,7 @@ class VerifierNode:
         verdict = await self._check(boundary, "gradient", gradient, reply.peer, tainted=bool(taint))
         if verdict.flagged:
             taint = sorted({*taint, boundary})
-        if is_malformed(verdict.reason):
+        if verdict.malformed:
             self.stats.malformed += 1
             logger.warning(
                 f"malformed gradient from {reply.peer} at boundary {boundary}|{boundary + 1}: {verdict.reason}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from sentinel_node.verification import Verdict
+from sentinel_node.verification import Verdict, VerdictKind
 
 
 @dataclass
@@ -19,10 +19,9 @@ class DetectionStats:
         if verdict.skipped or verdict.warming_up:
             return
         self.counts[direction, attacked, verdict.flagged] += 1
-        for metric, score in verdict.scores.items():
-            if score > verdict.thresholds.get(metric, float("inf")):
-                self.metric_hits[direction, attacked, metric] += 1
-        if verdict.reason == "drift":
+        for metric in verdict.over:
+            self.metric_hits[direction, attacked, metric] += 1
+        if verdict.kind is VerdictKind.DRIFT:
             self.metric_hits[direction, attacked, "drift"] += 1
 
     @property

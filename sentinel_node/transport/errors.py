@@ -29,11 +29,20 @@ class HopError(Exception):
 
     ``peer`` is the peer that was called (None while the error is being raised inside a handler, before it is
     sent back); ``culprit`` is the peer that actually failed, which differs from ``peer`` only for
-    :class:`HopDownstreamFailed`. ``retryable`` says whether trying another candidate for the same hop makes sense.
+    :class:`HopDownstreamFailed`. What a caller does about it is said by the class of :attr:`cause` (the failure
+    itself, wherever along the route it happened):
+
+    - ``retryable``: trying another candidate for the same hop makes sense;
+    - ``avoid``: a new route for the microbatch should leave the culprit out;
+    - ``unresponsive``: the culprit failed to answer, so it is suspended a while (the liveness blacklist);
+    - ``view_behind``: the culprit refused because its view of the swarm, or the caller's, is behind.
     """
 
     code: ClassVar[str] = "internal"
     retryable: ClassVar[bool] = False
+    avoid: ClassVar[bool] = False
+    unresponsive: ClassVar[bool] = False
+    view_behind: ClassVar[bool] = False
 
     def __init__(self, detail: str, *, peer: str | None = None, culprit: str | None = None) -> None:
         super().__init__(detail)
@@ -41,6 +50,11 @@ class HopError(Exception):
         self.peer = peer
         self.culprit = culprit or peer
         self.failures: list[HopError] = []
+
+    @property
+    def cause(self) -> type[HopError]:
+        """The class of the failure itself (for a downstream failure, the one further along the route)."""
+        return type(self)
 
     def __str__(self) -> str:
         where = f" (peer {self.peer})" if self.peer else ""
@@ -51,6 +65,7 @@ class HopRefused(HopError):
     """The peer will not serve this caller or this request (not on its route, wrong role, excluded)."""
 
     code = "refused"
+    view_behind = True  # a peer that just joined, or was just banned: someone's view has to catch up
 
 
 class HopBanned(HopRefused):
@@ -70,6 +85,8 @@ class HopOverloaded(HopError):
 
     code = "overloaded"
     retryable = True
+    avoid = True
+    unresponsive = True
 
 
 class HopUnavailable(HopError):
@@ -77,6 +94,8 @@ class HopUnavailable(HopError):
 
     code = "unavailable"
     retryable = True
+    avoid = True
+    unresponsive = True
 
 
 class HopDeadlineExceeded(HopUnavailable):
@@ -90,6 +109,7 @@ class HopInternal(HopError):
     """The peer failed in a way it did not classify (a bug, out of memory, an uncoded remote error)."""
 
     code = "internal"
+    avoid = True
 
 
 class HopDownstreamFailed(HopError):
@@ -100,6 +120,10 @@ class HopDownstreamFailed(HopError):
     def __init__(self, detail: str, *, inner_code: str, peer: str | None = None, culprit: str | None = None) -> None:
         super().__init__(detail, peer=peer, culprit=culprit)
         self.inner_code = inner_code
+
+    @property
+    def cause(self) -> type[HopError]:
+        return _CLASSES.get(self.inner_code, HopInternal)
 
     def __str__(self) -> str:
         return f"downstream {self.inner_code} at {self.culprit}: {self.detail} (via peer {self.peer})"

@@ -5,7 +5,9 @@ direction (activations forward, gradients backward)::
 
     monitor = BoundaryMonitor(settings, hidden_size=128, expected_shape=(8, 64, 128), ledger=shared_ledger)
     verdict = monitor.check(tensor, sender="peer-id", tainted=False)
-    verdict.flagged, verdict.reason   # flagged, and why ("non-finite values", "metric:l2,wasserstein", "drift")
+    verdict.kind                      # VerdictKind: accepted, malformed, metric, drift or skipped
+    verdict.struck, verdict.over      # whether the sender got a strike; the metrics over their thresholds
+    verdict.reason                    # for people: "non-finite values", "metric:l2,wasserstein", "drift"
     verdict.scores, verdict.thresholds  # per-metric distance to the EMA baseline, and the adaptive threshold
     verdict.tensor                    # what to pass on: the input, or a replacement (None: drop the microbatch)
     verdict.tainted                   # checks further along the route must skip this microbatch
@@ -20,7 +22,7 @@ The steps, in the paper's order: :mod:`profile` (reduce a tensor to token-indepe
 from sentinel_node.verification.baseline import EmaBaseline
 from sentinel_node.verification.drift import DriftTest
 from sentinel_node.verification.metrics import METRICS
-from sentinel_node.verification.monitor import REPLACEMENTS, BoundaryMonitor, MonitorSettings, Verdict
+from sentinel_node.verification.monitor import REPLACEMENTS, BoundaryMonitor, MonitorSettings, Verdict, VerdictKind
 from sentinel_node.verification.profile import Profile, Profiler
 from sentinel_node.verification.strikes import SenderRecord, StrikeLedger
 from sentinel_node.verification.thresholds import AdaptiveThreshold
@@ -38,4 +40,5 @@ __all__ = [
     "SenderRecord",
     "StrikeLedger",
     "Verdict",
+    "VerdictKind",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
@@ -40,18 +41,50 @@ class MonitorSettings:
     seed: int
 
 
+class VerdictKind(Enum):
+    """What a check decided about a tensor."""
+
+    ACCEPTED = "accepted"  # passed on as it came, and learned from (unless warming up only builds the baseline)
+    MALFORMED = "malformed"  # not a tensor of the boundary's shape, dtype and finite values
+    METRIC = "metric"  # a statistic over its threshold
+    DRIFT = "drift"  # the sender's recent checks sit persistently high inside the thresholds
+    SKIPPED = "skipped"  # not judged: the microbatch was tainted upstream, or verification is off
+
+
+FLAGS = frozenset({VerdictKind.MALFORMED, VerdictKind.METRIC, VerdictKind.DRIFT})
+
+
 @dataclass
 class Verdict:
-    """What a check decided. `tensor` is what to pass on: the input, or a replacement; None means drop it."""
+    """What a check decided. `tensor` is what to pass on: the input, or a replacement; None means drop it.
 
-    flagged: bool
-    reason: str | None
+    `kind` is the decision; `struck` whether the sender got a strike for it (a flag during a boundary-wide shift
+    gives none); `over` the metrics over their thresholds (kind METRIC); `problem` what is wrong with a malformed
+    tensor (also set on a SKIPPED verdict whose tensor was malformed and replaced). `reason` is for display only.
+    """
+
+    kind: VerdictKind
     tensor: torch.Tensor | None
+    struck: bool = False
+    over: tuple[str, ...] = ()
+    problem: str | None = None
     scores: dict[str, float] = field(default_factory=dict)
     thresholds: dict[str, float] = field(default_factory=dict)
-    skipped: bool = False
     warming_up: bool = False
     sender: SenderRecord | None = None
+
+    @property
+    def flagged(self) -> bool:
+        return self.kind in FLAGS
+
+    @property
+    def skipped(self) -> bool:
+        return self.kind is VerdictKind.SKIPPED
+
+    @property
+    def malformed(self) -> bool:
+        """The tensor's form was wrong (shape, dtype, non-finite values), whether or not it was judged."""
+        return self.problem is not None
 
     @property
     def tainted(self) -> bool:
@@ -61,6 +94,19 @@ class Verdict:
     @property
     def banned(self) -> bool:
         return self.sender is not None and self.sender.banned
+
+    @property
+    def reason(self) -> str | None:
+        """Why it was flagged (or why a skipped tensor was replaced), for people to read."""
+        if self.kind is VerdictKind.METRIC:
+            text = "metric:" + ",".join(self.over)
+        elif self.kind is VerdictKind.DRIFT:
+            text = "drift"
+        elif self.problem is not None:
+            text = self.problem
+        else:
+            return None
+        return text if self.struck or not self.flagged else f"{text} (boundary-wide shift: no strike)"
 
 
 class BoundaryMonitor:
@@ -107,36 +153,42 @@ class BoundaryMonitor:
         return self.accepted < self.settings.warmup
 
     def check(self, tensor: torch.Tensor, sender: str, tainted: bool = False) -> Verdict:
-        malformed = self._malformed(tensor)
+        problem = self._malformed(tensor)
         if tainted:
             # an honest peer downstream of a replaced tensor is not to blame; only keep garbage from travelling
-            replacement = self._replace(tensor) if malformed else tensor
-            return Verdict(flagged=False, reason=malformed, tensor=replacement, skipped=True)
-        if malformed:
-            return self._flag(tensor, sender, malformed)
+            replacement = self._replace(tensor) if problem else tensor
+            return Verdict(VerdictKind.SKIPPED, replacement, problem=problem)
+        if problem:
+            return self._flag(tensor, sender, VerdictKind.MALFORMED, problem=problem)
 
         profile = self.profiler(tensor)
         reference = self.baseline.reference
         if reference is None:
             self._accept(profile, {})
-            return Verdict(False, None, tensor, warming_up=True, sender=self.ledger.record(sender, False))
+            return self._accepted(tensor, sender, {}, {}, warming_up=True)
 
         scores = {name: metric(profile, reference) for name, metric in METRICS.items()}
         limits = {name: self.thresholds[name].threshold() for name in METRICS}
         if self.warming_up:
             self._accept(profile, scores)
-            return Verdict(
-                False, None, tensor, scores, limits, warming_up=True, sender=self.ledger.record(sender, False)
-            )
+            return self._accepted(tensor, sender, scores, limits, warming_up=True)
 
-        over = [name for name in METRICS if scores[name] > limits[name]]
+        over = tuple(name for name in METRICS if scores[name] > limits[name])
         severity = max(self.thresholds[name].severity(scores[name]) for name in METRICS)
-        reason = "metric:" + ",".join(over) if over else "drift" if self.drift.observe(sender, severity) else None
-        self.shift.observe(sender, reason is not None)
-        if reason is not None:
-            return self._flag(tensor, sender, reason, scores, limits, strike=not self.shift.widespread())
+        kind = VerdictKind.METRIC if over else VerdictKind.DRIFT if self.drift.observe(sender, severity) else None
+        self.shift.observe(sender, kind is not None)
+        if kind is not None:
+            return self._flag(tensor, sender, kind, scores, limits, over=over, strike=not self.shift.widespread())
         self._accept(profile, scores)
-        return Verdict(False, None, tensor, scores, limits, sender=self.ledger.record(sender, False))
+        return self._accepted(tensor, sender, scores, limits)
+
+    def _accepted(
+        self, tensor: torch.Tensor, sender: str, scores: dict, limits: dict, warming_up: bool = False
+    ) -> Verdict:
+        record = self.ledger.record(sender, False)
+        return Verdict(
+            VerdictKind.ACCEPTED, tensor, scores=scores, thresholds=limits, warming_up=warming_up, sender=record
+        )
 
     def _malformed(self, tensor: torch.Tensor) -> str | None:
         if not isinstance(tensor, torch.Tensor):
@@ -155,15 +207,19 @@ class BoundaryMonitor:
         self,
         tensor: torch.Tensor,
         sender: str,
-        reason: str,
+        kind: VerdictKind,
         scores: dict[str, float] | None = None,
         limits: dict[str, float] | None = None,
+        over: tuple[str, ...] = (),
+        problem: str | None = None,
         strike: bool = True,
     ) -> Verdict:
         return Verdict(
-            flagged=True,
-            reason=reason if strike else f"{reason} (boundary-wide shift: no strike)",
-            tensor=self._replace(tensor),
+            kind,
+            self._replace(tensor),
+            struck=strike,
+            over=over,
+            problem=problem,
             scores=scores or {},
             thresholds=limits or {},
             sender=self.ledger.record(sender, True) if strike else self.ledger.peek(sender),
