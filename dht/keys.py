@@ -1,4 +1,4 @@
-"""The swarm's key schema (DESIGN.md section 6): every record lives under one prefix.
+"""The swarm's key schema (docs/architecture.md section 6): every record lives under one prefix.
 
 | key                         | subkey             | value                 |
 |-----------------------------|--------------------|-----------------------|

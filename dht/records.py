@@ -3,6 +3,11 @@
 Every record names its author (``peer_id``, or ``verifier`` for a strike record); the DHT accepts it only under
 the author's own owner-tag subkey and only under the key its content implies (:meth:`SwarmRecord.key`). Types are
 strict: an int where a float is due is refused rather than converted, so a record means the same to every reader.
+
+Records evolve without splitting the swarm: each carries the ``schema`` version its writer knows (:data:`SCHEMA`).
+A reader accepts fields it does not know only in a record of a newer schema than its own, and ignores them (as
+Petals' ``from_tuple`` ignores trailing fields); every field it does know is checked as strictly as ever. The
+signature covers the whole value, unknown fields included, so nobody can add or change one on the way.
 """
 
 from __future__ import annotations
@@ -26,6 +31,12 @@ Direction = Literal["activation", "gradient"]
 
 MAX_METRICS = 64
 
+# The record schema this code writes and understands in full. Raise it when a record type gains a field; readers
+# of an older schema then accept the newer records and ignore the field.
+SCHEMA = 1
+MAX_UNKNOWN_FIELDS = 16
+MAX_FIELD_NAME = 64
+
 
 class SwarmRecord(pydantic.BaseModel):
     """Fields every record carries."""
@@ -33,13 +44,19 @@ class SwarmRecord(pydantic.BaseModel):
     author_field: ClassVar[str] = "peer_id"
 
     kind: str
+    schema_: conint(strict=True, ge=1) = pydantic.Field(SCHEMA, alias="schema")
     config_hash: ShortStr
-    version: ShortStr
+    version: ShortStr  # the writer's software version, for people
     time: StrictFloat  # the author's hivemind.get_dht_time() when it wrote the record
 
     class Config:
         extra = pydantic.Extra.forbid
         allow_mutation = False
+        allow_population_by_field_name = True
+
+    def dict(self, **kwargs) -> dict:
+        """The record as it goes on the wire (``schema`` under its own name)."""
+        return super().dict(by_alias=True, **kwargs)
 
     @property
     def author(self) -> str:
@@ -148,17 +165,33 @@ def parse_record(value: object) -> SwarmRecord:
     """The record a DHT value holds, exactly as written; ValueError if it is not a well-formed record.
 
     Beyond pydantic's checks, the value must equal the parsed record field for field, so defaults filled in or
-    values converted on parsing count as malformed (the same rule as hivemind's SchemaValidator).
+    values converted on parsing count as malformed (the same rule as hivemind's SchemaValidator). Fields this
+    reader does not know are allowed only in a record of a newer schema, at most :data:`MAX_UNKNOWN_FIELDS` of
+    them, and are left out of the record it returns.
     """
     if not isinstance(value, dict):
         raise ValueError(f"a record is a dict, got {type(value).__name__}")
-    record_type = RECORD_TYPES.get(value.get("kind"))
+    kind = value.get("kind")
+    record_type = RECORD_TYPES.get(kind) if isinstance(kind, str) else None
     if record_type is None:
-        raise ValueError(f"unknown record kind {value.get('kind')!r}; expected one of {sorted(RECORD_TYPES)}")
+        raise ValueError(f"unknown record kind {str(kind)[:40]!r}; expected one of {sorted(RECORD_TYPES)}")
+    schema = value.get("schema")
+    if type(schema) is not int or schema < 1:
+        raise ValueError(f"a {kind} record must carry its schema version (an integer of at least 1)")
+    fields = {field.alias for field in record_type.__fields__.values()}
+    unknown = [name for name in value if name not in fields]
+    if unknown:
+        if schema <= SCHEMA:
+            raise ValueError(f"a schema-{schema} {kind} record has fields it may not have: {unknown[:5]}")
+        if len(unknown) > MAX_UNKNOWN_FIELDS or not all(
+            isinstance(name, str) and len(name) <= MAX_FIELD_NAME for name in unknown
+        ):
+            raise ValueError(f"a {kind} record of schema {schema} has too many or too long unknown fields")
+        value = {name: item for name, item in value.items() if name in fields}
     try:
         record = record_type.parse_obj(value)
     except pydantic.ValidationError as e:
-        raise ValueError(f"malformed {value['kind']} record: {e}") from None
+        raise ValueError(f"malformed {kind} record: {e}") from None
     if record.dict() != value:
-        raise ValueError(f"{value['kind']} record needs conversions or defaults to fit its schema: {value}")
+        raise ValueError(f"{kind} record needs conversions or defaults to fit its schema: {value}")
     return record

@@ -3,10 +3,22 @@
 from peers.ledger import StrikeLedger
 from peers.liveness import BackoffParams, LivenessBlacklist
 from peers.policy import Exclusion, ExclusionParams, ExclusionPolicy, verifier_peer_id
-from peers.routing import NoRouteError, Route, choose_route, pick, pick_replica, pick_verifier
+from peers.routing import (
+    MAX_ALTERNATES,
+    NoRouteError,
+    Route,
+    RouteHop,
+    choose_route,
+    expand,
+    order_candidates,
+    pick,
+    pick_replica,
+    pick_verifier,
+)
 from peers.view import Health, SwarmView, SwarmWatcher
 
 __all__ = [
+    "MAX_ALTERNATES",
     "BackoffParams",
     "Exclusion",
     "ExclusionParams",
@@ -15,10 +27,13 @@ __all__ = [
     "LivenessBlacklist",
     "NoRouteError",
     "Route",
+    "RouteHop",
     "StrikeLedger",
     "SwarmView",
     "SwarmWatcher",
     "choose_route",
+    "expand",
+    "order_candidates",
     "pick",
     "pick_replica",
     "pick_verifier",

@@ -1,4 +1,4 @@
-"""The exclusion policy: when a peer is shut out of the swarm (DESIGN.md section 6).
+"""The exclusion policy: when a peer is shut out of the swarm (docs/architecture.md section 6).
 
 A peer is excluded while ``ban_quorum`` distinct verifiers that the swarm trusts hold a live ban on it. With an
 open verifier set (no trusted list) any verifier's ban counts, so the quorum must be at least 2: one lying verifier

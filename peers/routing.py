@@ -1,4 +1,4 @@
-"""The routing choice: for each stage a replica and for each boundary a verifier (DESIGN.md section 5).
+"""The routing choice: for each stage a replica and for each boundary a verifier (docs/architecture.md section 5).
 
 Candidates are live (online, not excluded), not suspended by the liveness blacklist and not in the caller's
 ``avoid`` set; direct peers are preferred over relayed ones, and among those the pick is weighted by announced
@@ -8,7 +8,7 @@ throughput, so faster peers get proportionally more microbatches.
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -20,6 +20,8 @@ A = TypeVar("A", bound=Announcement)
 
 # A peer announcing zero throughput (just joined, not measured yet) still gets this share of the fastest weight.
 MIN_WEIGHT_SHARE = 0.01
+# Each hop of a route names this many other candidates, for the peer calling it to retry on.
+MAX_ALTERNATES = 2
 
 
 class NoRouteError(RuntimeError):
@@ -115,3 +117,54 @@ def _why(announced: Collection[Announcement], view: SwarmView) -> str:
     return (
         f"{len(announced)} announced (" + ", ".join(f"{n} {s}" for s, n in sorted(states.items())) + "), none usable"
     )
+
+
+@dataclass(frozen=True)
+class RouteHop:
+    """One hop of a route as the callers along it see it: the chosen peer and the alternates to retry on.
+    ``boundary`` is None for a stage replica and b for the verifier of boundary b."""
+
+    peer_id: str
+    boundary: int | None
+    alternates: tuple[str, ...]
+
+
+def expand(
+    route: Route,
+    view: SwarmView,
+    rng: random.Random,
+    blacklist: LivenessBlacklist | None = None,
+    avoid: Collection[str] = (),
+    max_alternates: int = MAX_ALTERNATES,
+) -> list[RouteHop]:
+    """The route in call order (stage 0, verifier 0|1, stage 1, ...), each hop with up to ``max_alternates``
+    other live candidates for the same place that are neither avoided nor suspended, picked at random."""
+
+    def alternates(candidates: Sequence[Announcement], chosen: str) -> tuple[str, ...]:
+        fresh = [
+            c.peer_id
+            for c in candidates
+            if c.peer_id != chosen and c.peer_id not in avoid and (blacklist is None or c.peer_id not in blacklist)
+        ]
+        return tuple(rng.sample(fresh, min(max_alternates, len(fresh))))
+
+    hops = []
+    for k, stage in enumerate(route.stages):
+        hops.append(RouteHop(stage.peer_id, None, alternates(view.live_replicas(k), stage.peer_id)))
+        if k < len(route.verifiers):
+            verifier = route.verifiers[k].peer_id
+            hops.append(RouteHop(verifier, k, alternates(view.live_verifiers(k), verifier)))
+    return hops
+
+
+def order_candidates(
+    chosen: str,
+    alternates: Sequence[str],
+    view: SwarmView,
+    blacklist: LivenessBlacklist,
+    skip: Callable[[str], bool] = lambda _: False,
+) -> list[str]:
+    """The peers that may serve a hop: the chosen one, then its alternates; never excluded or skipped peers, and
+    peers that just failed only after the others."""
+    peers = [p for p in dict.fromkeys([chosen, *alternates]) if not view.is_excluded(p) and not skip(p)]
+    return [p for p in peers if p not in blacklist] + [p for p in peers if p in blacklist]

@@ -1,4 +1,4 @@
-"""The attack catalogue: what a malicious stage does to the tensors it sends (DESIGN.md section 4).
+"""The attack catalogue: what a malicious stage does to the tensors it sends (docs/architecture.md section 4).
 
 An attack is a function ``attack(tensor, step, state) -> tensor`` of the honest tensor, the global step and the
 attacker's own state (a dict kept between calls). It returns the tensor it sends; returning the input object
@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import inspect
 import random
+import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 AttackFn = Callable[[torch.Tensor, int, dict], torch.Tensor]
+DIRECTIONS = ("activation", "gradient")
 
 
 class AttackError(ValueError):
@@ -233,3 +235,55 @@ class Attacker:
         if not isinstance(out, torch.Tensor):
             raise AttackError(f"attack {getattr(self.fn, '__name__', self.fn)!r} returned {type(out).__name__}")
         return out, out is not tensor
+
+
+def attack_maker(
+    name: str | None = None, file: str | None = None, settings_for: Callable[[str], object] | None = None
+) -> tuple[str, Callable[[str], AttackFn]]:
+    """(the attack's name, a function giving the attack to run on a direction) for a catalogue attack or a red
+    team's ``PATH.py:NAME``; ``settings_for(direction)`` gives the swarm's verification settings, which the
+    adaptive attack needs. AttackError for a bad name or file, raised now rather than on the first tensor."""
+    if (name is None) == (file is None):
+        raise AttackError("give exactly one of --attack NAME and --attack-file PATH.py:NAME")
+    if file is not None:
+        loaded_name, fn = load_attack_file(file)
+        return loaded_name, lambda direction: fn
+    make_attack(name)  # an unknown name fails here, with the catalogue listed
+    if name == "adaptive":
+        if settings_for is None:
+            raise AttackError("the adaptive attack needs the swarm's verification settings")
+        return name, lambda direction: make_attack(name, settings=settings_for(direction))
+    return name, lambda direction: make_attack(name)
+
+
+def sends(direction: str, stage: int, n_stages: int) -> bool:
+    """Whether stage ``stage`` sends tensors in ``direction``: the last stage sends no activation, the first no
+    gradient."""
+    return not ((direction == "activation" and stage == n_stages - 1) or (direction == "gradient" and stage == 0))
+
+
+def arm(
+    make: Callable[[str], AttackFn],
+    target: str,
+    stage: int,
+    n_stages: int,
+    *,
+    start: int = 0,
+    probability: float = 1.0,
+    seed: str = "0",
+) -> dict[str, Attacker]:
+    """An :class:`Attacker` per direction that ``target`` names ("activation", "gradient" or "both") and stage
+    ``stage`` sends, each seeded from ``seed`` and its direction: what a red-team stage replica runs, in the
+    simulator and on the network alike."""
+    if target not in (*DIRECTIONS, "both"):
+        raise AttackError(f"attack target {target!r}: choose activation, gradient or both")
+    if not 0 < probability <= 1:
+        raise AttackError(f"--attack-probability must be in (0, 1], got {probability}")
+    directions = DIRECTIONS if target == "both" else (target,)
+    return {
+        direction: Attacker(
+            make(direction), start=start, probability=probability, seed=zlib.crc32(f"{seed}:{direction}".encode())
+        )
+        for direction in directions
+        if sends(direction, stage, n_stages)
+    }

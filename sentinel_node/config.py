@@ -91,7 +91,7 @@ DEFAULT_FENCE_SPACES = {
 
 
 class VerificationConfig(_Strict):
-    """SENTINEL's knobs (DESIGN.md section 3); defaults are the paper's where it gives one."""
+    """SENTINEL's knobs (docs/architecture.md section 3); defaults are the paper's where it gives one."""
 
     beta_act: float = Field(0.9, gt=0, lt=1, description="EMA decay of activation baselines")
     beta_grad: float = Field(0.8, gt=0, lt=1, description="EMA decay of gradient baselines")
@@ -153,18 +153,22 @@ class SwarmConfig(_Strict):
     request_timeout: float = Field(5.0, gt=0, description="seconds a DHT read may take")
 
     @model_validator(mode="after")
-    def _quorum_open_set(self) -> SwarmConfig:
-        if not self.trusted_verifiers and self.ban_quorum < 2:
-            raise ValueError(
-                "ban_quorum must be at least 2 with an open verifier set (trusted_verifiers empty), "
-                "so that one lying verifier cannot frame an honest peer"
-            )
-        if self.trusted_verifiers and self.ban_quorum > len(self.trusted_verifiers):
-            raise ValueError(
-                f"ban_quorum={self.ban_quorum} exceeds the {len(self.trusted_verifiers)} trusted verifiers: "
-                "no peer could ever be excluded"
-            )
+    def _quorum(self) -> SwarmConfig:
+        self.exclusion_params()  # the exclusion policy's own rule decides what a valid quorum is
         return self
+
+    def exclusion_params(self):
+        """Who may vote and how many votes exclude (:class:`peers.ExclusionParams`); ValueError naming the entry
+        or the number that is wrong."""
+        from peers import ExclusionParams  # here, not at the top: peers imports hivemind, and --help must stay fast
+
+        return ExclusionParams(tuple(self.trusted_verifiers), self.ban_quorum)
+
+    def exclusion_policy(self):
+        """The swarm's :class:`peers.ExclusionPolicy`."""
+        from peers import ExclusionPolicy
+
+        return ExclusionPolicy(self.exclusion_params())
 
 
 class DataConfig(_Strict):

@@ -1,10 +1,9 @@
 """``sentinel-node demo``: a whole swarm on this machine, on loopback, with one attacker.
 
-:class:`LocalSwarm` starts ``sentinel-node join`` processes, each in its own process group, reads the lines they
-print when ready, and stops every one of them (SIGTERM, then SIGKILL of its group after a grace period; never by
-name). :class:`Demo` builds the demo's swarm on it: a bootstrap, 3 stages x 2 replicas of which one replica of
-the middle stage is a red-team attacker (so an honest replica remains on every stage), 2 verifiers serving every
-boundary, and a trainer; it shows a live view of training and ends with a summary.
+:class:`Demo` builds the demo's swarm on a :class:`~sentinel_node.supervisor.LocalSwarm`: a bootstrap, 3 stages x
+2 replicas of which one replica of the middle stage is a red-team attacker (so an honest replica remains on every
+stage), 2 verifiers serving every boundary, and a trainer; it shows a live view of training and ends with a
+:class:`DemoSummary`.
 
 Exclusion quorum: the demo creates the verifiers' identity files first and lists their peer ids as the swarm's
 ``trusted_verifiers`` with ``ban_quorum`` 1, so one trusted verifier's ban excludes a peer swarm-wide (an open
@@ -14,261 +13,22 @@ out). Both verifiers still serve every boundary, so losing one does not stop the
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import queue
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from pydantic import BaseModel, ConfigDict
 
 from sentinel_node.config import Config, load_config
-from sentinel_node.roles.common import descendants
+from sentinel_node.roles.status import AccountingStatus, VerifierStatus
+from sentinel_node.supervisor import LocalSwarm, NodeProcess, SwarmStartError, follow_json_lines
 
 DEMO_CONFIG_PATH = Path(__file__).resolve().parent / "configs" / "demo.yaml"
-CLI = [sys.executable, "-c", "from sentinel_node.cli import main; main()"]
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
-
-class SwarmStartError(RuntimeError):
-    """A node of the local swarm did not start; the message quotes the end of its log."""
-
-
-@dataclass
-class NodeProcess:
-    """One ``sentinel-node join`` process of a local swarm."""
-
-    name: str
-    role: str
-    process: subprocess.Popen
-    log_path: Path
-    status_path: Path
-    identity_path: Path
-    peer_id: str | None = None
-    maddrs: list[str] = field(default_factory=list)
-    metrics_port: int | None = None
-    command: list[str] = field(default_factory=list, repr=False)
-    lines: queue.Queue = field(default_factory=queue.Queue, repr=False)
-    output: list[str] = field(default_factory=list, repr=False)
-
-    @property
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def status(self) -> dict | None:
-        """The node's last status file (its view of the swarm), or None before it wrote one."""
-        try:
-            return json.loads(self.status_path.read_text())
-        except (OSError, ValueError):
-            return None
-
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def wait_ready(self, timeout: float) -> None:
-        """Waits for the lines ``sentinel-node join`` prints once the node serves; SwarmStartError if it dies or
-        takes longer than ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.2)
-            except queue.Empty:
-                if self.maddrs:
-                    return  # the address lines come in one burst
-                if not self.alive:
-                    break
-                continue
-            if line.startswith("node ") and " is up" in line:
-                self.peer_id = line.split()[1]
-            elif line.strip().startswith("--initial-peers"):
-                self.maddrs.append(line.split()[-1])
-        state = f"exited with code {self.process.poll()}" if not self.alive else f"was not ready in {timeout:.0f}s"
-        raise SwarmStartError(f"{self.name} ({self.role}) {state}; its log ends with:\n{self.log_tail()}")
-
-    def _pump(self) -> None:
-        for line in self.process.stdout:
-            self.output.append(line)
-            self.lines.put(line)
-
-
-class LocalSwarm:
-    """Nodes of one swarm started on this machine; :meth:`stop` (or leaving the ``with`` block) ends them all."""
-
-    def __init__(self, workdir: Path, config_path: Path) -> None:
-        self.workdir, self.config_path = Path(workdir), Path(config_path)
-        self.nodes: dict[str, NodeProcess] = {}
-        # pid -> start time: a pid seen once may later name another process, which must never be signalled
-        self._descendants: dict[int, int] = {}
-
-    def __enter__(self) -> LocalSwarm:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    @property
-    def initial_peers(self) -> list[str]:
-        bootstrap = self.nodes.get("bootstrap")
-        return bootstrap.maddrs if bootstrap else []
-
-    def identity(self, name: str) -> Path:
-        return self.workdir / "identities" / f"{name}.key"
-
-    def start(self, name: str, role: str, *args: str, metrics: bool = False) -> NodeProcess:
-        """Starts a node (without waiting for it); its stderr goes to ``logs/NAME.log``. With ``metrics``, it
-        serves Prometheus metrics on a free port of this machine (``node.metrics_port``)."""
-        if name in self.nodes:
-            raise ValueError(f"a node named {name} was already started")
-        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
-        (self.workdir / "status").mkdir(parents=True, exist_ok=True)
-        status_path = self.workdir / "status" / f"{name}.json"
-        metrics_port = free_port() if metrics else None
-        command = [
-            *CLI,
-            "join",
-            "--role",
-            role,
-            "--config",
-            str(self.config_path),
-            "--identity",
-            str(self.identity(name)),
-            "--host-maddrs",
-            LOOPBACK,
-            *(["--initial-peers", *self.initial_peers] if self.initial_peers else []),
-            *([] if role == "bootstrap" else ["--status-file", str(status_path)]),
-            *([] if metrics_port is None else ["--metrics-port", str(metrics_port)]),
-            *args,
-        ]
-        node = self._launch(name, role, command, status_path)
-        node.metrics_port = metrics_port
-        return node
-
-    def restart(self, name: str) -> NodeProcess:
-        """Starts a stopped node again with the same command (identity, state directory, metrics port)."""
-        old = self.nodes.pop(name)
-        if old.alive:
-            self.nodes[name] = old
-            raise ValueError(f"{name} is still running; stop it first")
-        node = self._launch(name, old.role, old.command, old.status_path)
-        node.metrics_port = old.metrics_port
-        return node
-
-    def _launch(self, name: str, role: str, command: list[str], status_path: Path) -> NodeProcess:
-        log_path = self.workdir / "logs" / f"{name}.log"
-        with log_path.open("a") as log:
-            process = subprocess.Popen(
-                command,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                stdin=subprocess.DEVNULL,
-                text=True,
-                start_new_session=True,  # its own process group: stopping it reaches its DHT child and p2pd
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        node = NodeProcess(name, role, process, log_path, status_path, self.identity(name), command=command)
-        threading.Thread(target=node._pump, name=f"pump-{name}", daemon=True).start()
-        self.nodes[name] = node
-        return node
-
-    def wait_ready(self, nodes: Sequence[NodeProcess], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for node in nodes:
-            node.wait_ready(max(1.0, deadline - time.monotonic()))
-            self._remember_descendants(node)
-
-    def kill(self, name: str, signum: int = signal.SIGKILL) -> None:
-        """Sends ``signum`` to a node's whole process group (SIGKILL: as if the machine lost power)."""
-        node = self.nodes[name]
-        self._remember_descendants(node)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(node.process.pid, signum)
-        if signum == signal.SIGKILL:
-            node.process.wait(timeout=10)
-
-    def stop(self, grace: float = 15.0) -> None:
-        """SIGTERM to every node, SIGKILL to the process groups of those still running after ``grace`` seconds,
-        then SIGKILL to any process they started that outlived them."""
-        for node in self.nodes.values():
-            self._remember_descendants(node)
-            if node.alive:
-                with contextlib.suppress(ProcessLookupError):
-                    node.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for node in self.nodes.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                node.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        for node in self.nodes.values():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(node.process.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                node.process.wait(timeout=5)
-        for pid in self.leftovers():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 5  # a killed process takes a moment to die
-        while self.leftovers() and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-    def leftovers(self) -> dict[int, str]:
-        """Processes this swarm started that are still alive, with their command names (none after :meth:`stop`)."""
-        found = {}
-        for pid, started in self._descendants.items():
-            if alive(pid) and start_time(pid) == started:
-                found[pid] = command_name(pid)
-        for node in self.nodes.values():
-            if node.process.poll() is None:
-                found[node.process.pid] = command_name(node.process.pid)
-        return dict(sorted(found.items()))
-
-    def _remember_descendants(self, node: NodeProcess) -> None:
-        for pid in descendants(node.process.pid):
-            started = start_time(pid)
-            if started is not None:
-                self._descendants[pid] = started
-
-
-def free_port() -> int:
-    """A TCP port free on this machine a moment ago (the node binds it soon after; a clash fails its start)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def start_time(pid: int) -> int | None:
-    """When ``pid`` started (clock ticks after boot), which tells a process from a later one with its pid."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def command_name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return "?"
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-# --- the demo
+__all__ = ["DEMO_CONFIG_PATH", "Demo", "DemoResult", "DemoSettings", "DemoSummary", "SwarmStartError", "run_demo"]
 
 
 @dataclass(frozen=True)
@@ -291,9 +51,39 @@ class DemoSettings:
     checkpoint_every: int = 10
 
 
+class AttackerInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    peer_id: str
+
+
+class DemoSummary(BaseModel):
+    """The demo's verdict (``demo --json`` prints it): did the loss fall, is the attacker excluded in every view,
+    was any honest peer struck or excluded, where every microbatch went."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    steps: int
+    first_loss: float | None
+    last_loss: float | None
+    first_val_loss: float | None
+    last_val_loss: float | None
+    loss_fell: bool
+    attacker: AttackerInfo | None
+    excluded: list[str]
+    attacker_excluded_by_every_peer: bool
+    honest_excluded: list[str]
+    honest_peers_with_strikes: dict[str, dict[str, int]]
+    verifier_checks: int
+    microbatches: AccountingStatus | None
+    tokens_per_s: float | None
+    wall_s: float
+
+
 @dataclass
 class DemoResult:
-    summary: dict
+    summary: DemoSummary
     steps: list[dict]
 
 
@@ -472,17 +262,17 @@ class Demo:
 
     # --- the verdict
 
-    def views(self) -> dict[str, list[str]]:
+    def views(self) -> dict[str, list[str] | None]:
         """Each live node's (and the trainer's last) view of who is excluded."""
         found = {}
         for name, node in self.swarm.nodes.items():
             if node.role == "bootstrap" or (not node.alive and name != "trainer"):
                 continue
             status = node.status()
-            found[name] = None if status is None else status.get("excluded", [])
+            found[name] = None if status is None else status.excluded
         return found
 
-    def wait_for_consensus(self, timeout: float) -> dict[str, list[str]]:
+    def wait_for_consensus(self, timeout: float) -> dict[str, list[str] | None]:
         """Waits until every live node sees the attacker excluded (or ``timeout``); returns the views."""
         deadline = time.monotonic() + timeout
         while True:
@@ -496,7 +286,7 @@ class Demo:
                 return views
             time.sleep(0.5)
 
-    def summary(self) -> dict:
+    def summary(self) -> DemoSummary:
         """The demo's verdict: did the loss fall, is the attacker excluded in every view, was any honest peer
         struck (strikes from any verifier) or excluded."""
         trainer = self.trainer_summary or {}
@@ -505,34 +295,37 @@ class Demo:
         struck: dict[str, dict[str, int]] = {}
         checks = 0
         for name in self.verifier_names():
-            status = self.node(name).status() or {}
-            for peer, record in status.get("ledger", {}).items():
-                checks += record["checks"]
-                if peer in honest and record["strikes"]:
-                    struck.setdefault(honest[peer], {})[name] = record["strikes"]
+            status = self.node(name).status()
+            if not isinstance(status, VerifierStatus):
+                continue
+            for peer, record in status.ledger.items():
+                checks += record.checks
+                if peer in honest and record.strikes:
+                    struck.setdefault(honest[peer], {})[name] = record.strikes
         excluded = sorted({peer for view in views.values() if view for peer in view})
         names = {node.peer_id: name for name, node in self.swarm.nodes.items()}
         losses = [s["loss"] for s in self.steps if s["loss"] is not None]
         val_curve = trainer.get("val_curve", [])
         others = {name: view for name, view in views.items() if name != self.attacker_name()}
-        return {
-            "steps": trainer.get("steps", len(self.steps)),
-            "first_loss": losses[0] if losses else None,
-            "last_loss": losses[-1] if losses else None,
-            "first_val_loss": val_curve[0][1] if val_curve else None,
-            "last_val_loss": val_curve[-1][1] if val_curve else None,
-            "loss_fell": bool(len(val_curve) > 1 and val_curve[-1][1] < val_curve[0][1]),
-            "attacker": None if self.attacker is None else {"name": self.attacker_name(), "peer_id": self.attacker},
-            "excluded": [names.get(peer, peer) for peer in excluded],
-            "attacker_excluded_by_every_peer": self.attacker is not None
+        accounting = trainer.get("accounting")
+        return DemoSummary(
+            steps=trainer.get("steps", len(self.steps)),
+            first_loss=losses[0] if losses else None,
+            last_loss=losses[-1] if losses else None,
+            first_val_loss=val_curve[0][1] if val_curve else None,
+            last_val_loss=val_curve[-1][1] if val_curve else None,
+            loss_fell=bool(len(val_curve) > 1 and val_curve[-1][1] < val_curve[0][1]),
+            attacker=None if self.attacker is None else AttackerInfo(name=self.attacker_name(), peer_id=self.attacker),
+            excluded=[names.get(peer, peer) for peer in excluded],
+            attacker_excluded_by_every_peer=self.attacker is not None
             and all(view is not None and self.attacker in view for view in others.values()),
-            "honest_excluded": [names[p] for p in excluded if p in honest],
-            "honest_peers_with_strikes": struck,
-            "verifier_checks": checks,
-            "microbatches": trainer.get("accounting", {}),
-            "tokens_per_s": trainer.get("tokens_per_s"),
-            "wall_s": round(time.monotonic() - self.started, 1),
-        }
+            honest_excluded=[names[p] for p in excluded if p in honest],
+            honest_peers_with_strikes=struck,
+            verifier_checks=checks,
+            microbatches=None if accounting is None else AccountingStatus.model_validate(accounting),
+            tokens_per_s=trainer.get("tokens_per_s"),
+            wall_s=round(time.monotonic() - self.started, 1),
+        )
 
 
 def run_demo(settings: DemoSettings = DemoSettings(), echo: Callable[[str], None] = lambda _: None) -> DemoResult:
@@ -544,25 +337,27 @@ def run_demo(settings: DemoSettings = DemoSettings(), echo: Callable[[str], None
     return DemoResult(summary, demo.steps)
 
 
-def render_summary(summary: dict) -> str:
+def render_summary(summary: DemoSummary) -> str:
     """The summary as a few readable lines."""
-    accounting = summary["microbatches"]
     lines = [
-        f"steps {summary['steps']} in {summary['wall_s']:.0f}s; training loss {_num(summary['first_loss'])} -> "
-        f"{_num(summary['last_loss'])}, validation loss {_num(summary['first_val_loss'])} -> "
-        f"{_num(summary['last_val_loss'])} ({'falling' if summary['loss_fell'] else 'NOT falling'})",
-        f"microbatches: {accounting.get('sent')} sent, {accounting.get('succeeded')} succeeded, "
-        f"{accounting.get('dropped')} dropped by verifiers, {accounting.get('retried')} retried, "
-        f"{accounting.get('failed')} failed",
+        f"steps {summary.steps} in {summary.wall_s:.0f}s; training loss {_num(summary.first_loss)} -> "
+        f"{_num(summary.last_loss)}, validation loss {_num(summary.first_val_loss)} -> "
+        f"{_num(summary.last_val_loss)} ({'falling' if summary.loss_fell else 'NOT falling'})",
     ]
-    if summary["attacker"]:
-        seen = "excluded in every peer's view" if summary["attacker_excluded_by_every_peer"] else "NOT excluded"
-        lines.append(f"attacker {summary['attacker']['name']}: {seen}")
-    lines.append(f"excluded: {', '.join(summary['excluded']) or 'nobody'}")
-    honest = summary["honest_peers_with_strikes"]
+    accounting = summary.microbatches
+    if accounting is not None:
+        lines.append(
+            f"microbatches: {accounting.sent} sent, {accounting.succeeded} succeeded, "
+            f"{accounting.dropped} dropped by verifiers, {accounting.retried} retried, {accounting.failed} failed"
+        )
+    if summary.attacker:
+        seen = "excluded in every peer's view" if summary.attacker_excluded_by_every_peer else "NOT excluded"
+        lines.append(f"attacker {summary.attacker.name}: {seen}")
+    lines.append(f"excluded: {', '.join(summary.excluded) or 'nobody'}")
+    honest = summary.honest_peers_with_strikes
     lines.append(
         "honest peers excluded: "
-        + (", ".join(summary["honest_excluded"]) or "none")
+        + (", ".join(summary.honest_excluded) or "none")
         + "; honest peers with strikes: "
         + (", ".join(f"{name} {votes}" for name, votes in honest.items()) or "none")
     )
@@ -571,24 +366,3 @@ def render_summary(summary: dict) -> str:
 
 def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
-
-
-def follow_json_lines(path: Path, node: NodeProcess, poll: float = 0.2) -> Iterator[dict]:
-    """The JSON lines appended to ``path`` until ``node`` exits (and the rest after it did)."""
-    position = 0
-    while True:
-        running = node.alive
-        try:
-            with path.open("rb") as f:
-                f.seek(position)
-                chunk = f.read()
-        except FileNotFoundError:
-            chunk = b""
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        position += len(complete)
-        for line in complete.decode(errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                yield json.loads(line)
-        if not running:
-            return
-        time.sleep(poll)

@@ -1,5 +1,5 @@
-"""The attack catalogue (DESIGN.md section 4): what each attack does to activation- and gradient-shaped tensors,
-the Attacker's start step and probability, and how a red team's own attack file is loaded or refused.
+"""The attack catalogue (docs/architecture.md section 4): what each attack does to activation- and gradient-shaped
+tensors, the Attacker's start step and probability, and how a red team's own attack file is loaded or refused.
 """
 
 from __future__ import annotations

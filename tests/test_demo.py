@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from sentinel_node import demo as demo_module
 from sentinel_node.cli import main
-from sentinel_node.demo import DemoResult, DemoSettings, LocalSwarm, follow_json_lines, render_summary
+from sentinel_node.demo import DemoResult, DemoSettings, DemoSummary, render_summary
+from sentinel_node.supervisor import LocalSwarm, follow_json_lines
 
 SUMMARY = {
     "steps": 40,
@@ -29,7 +30,15 @@ SUMMARY = {
     "honest_excluded": [],
     "honest_peers_with_strikes": {},
     "verifier_checks": 512,
-    "microbatches": {"sent": 160, "succeeded": 155, "dropped": 5, "failed": 0, "retried": 0, "consistent": True},
+    "microbatches": {
+        "sent": 160,
+        "succeeded": 155,
+        "dropped": 5,
+        "failed": 0,
+        "retried": 0,
+        "in_flight": 0,
+        "consistent": True,
+    },
     "tokens_per_s": 1500.0,
     "wall_s": 150.0,
 }
@@ -42,7 +51,7 @@ def canned(monkeypatch) -> list[DemoSettings]:
     def fake_run_demo(settings: DemoSettings, echo) -> DemoResult:
         seen.append(settings)
         echo("   0   5.550            1500     0       0  -")
-        return DemoResult(SUMMARY, [])
+        return DemoResult(DemoSummary.model_validate(SUMMARY), [])
 
     monkeypatch.setattr(demo_module, "run_demo", fake_run_demo)
     return seen
@@ -67,7 +76,7 @@ def test_demo_live_view_and_summary_table(canned):
 
 def test_summary_says_what_went_wrong():
     bad = {**SUMMARY, "loss_fell": False, "attacker_excluded_by_every_peer": False, "honest_excluded": ["stage0-0"]}
-    text = render_summary(bad)
+    text = render_summary(DemoSummary.model_validate(bad))
     assert "NOT falling" in text and "stage1-1: NOT excluded" in text and "honest peers excluded: stage0-0" in text
 
 

@@ -315,3 +315,28 @@ def test_records_of_another_config_are_ignored_with_one_warning(swarm, new_node,
             assert stranger.peer_id not in reader.store.stages(3)[2]  # ... but ignored
     warnings = [r for r in caplog.records if stranger.peer_id in r.getMessage()]
     assert len(warnings) == 1 and "config hash" in warnings[0].getMessage()
+
+
+def test_a_record_of_a_newer_schema_is_read_and_its_new_field_ignored_but_not_tampered_with(swarm, new_node):
+    """A writer of a later release adds a field: today's nodes store and read its records (they would otherwise
+    split the swarm), and the signature still covers the new field."""
+    from dht.records import SCHEMA
+
+    newer, reader = new_node(), swarm[2]
+    key = KEYS.strikes(swarm[0].peer_id)
+    expiration = get_dht_time() + 60
+    record = {**strike(newer.peer_id, swarm[0].peer_id).dict(), "schema": SCHEMA + 1, "evidence": "mb 12.3"}
+    value = signed_value(newer.identity, key, newer.identity.owner_tag, record, expiration)
+    tampered = value.replace(b"mb 12.3", b"mb 99.9", 1)  # the new field changed after signing
+    assert tampered != value
+    assert not any(raw_store(newer, key, newer.identity.owner_tag, tampered, expiration))
+    assert newer.identity.owner_tag not in raw_subkeys(reader, key)
+    assert all(raw_store(newer, key, newer.identity.owner_tag, value, expiration))
+    read = reader.store.strikes(swarm[0].peer_id)[newer.peer_id]
+    assert read.schema_ == SCHEMA + 1 and read.strikes == 1 and not hasattr(read, "evidence")
+    # the same field in a record that claims today's schema is a malformed record, not an extension
+    other = swarm[1].peer_id
+    same_schema = {**strike(newer.peer_id, other).dict(), "schema": SCHEMA, "evidence": "mb 12.3"}
+    value = signed_value(newer.identity, KEYS.strikes(other), newer.identity.owner_tag, same_schema, expiration)
+    assert not any(raw_store(newer, KEYS.strikes(other), newer.identity.owner_tag, value, expiration))
+    assert newer.peer_id not in reader.store.strikes(other)

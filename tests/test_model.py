@@ -1,4 +1,4 @@
-"""The model cut into pipeline stages and the corpus it trains on (DESIGN.md section 8)."""
+"""The model cut into pipeline stages and the corpus it trains on (docs/architecture.md section 9)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from dht import Identity, StageAnnouncement, VerifierAnnouncement, create_identi
 from sentinel_node.demo import Demo, DemoSettings
 from sentinel_node.roles.common import record_store, start_dht, stop_dht
 from sentinel_node.roles.metrics import METRICS
-from sentinel_node.roles.runtime import STAGE_FORWARD, VERIFIER_RELAY, PipelineRequest, Shapes, transport_settings
+from sentinel_node.roles.wire import STAGE_FORWARD, VERIFIER_RELAY, PipelineRequest, Shapes, transport_settings
 from sentinel_node.transport import (
     Hop,
     HopBanned,
@@ -141,12 +141,12 @@ def test_honest_phase_trains_and_nobody_is_struck(demo):
 
 def test_attacker_is_excluded_swarm_wide_and_training_goes_on(demo):
     summary = demo.result
-    assert summary["attacker_excluded_by_every_peer"], demo.views()
-    assert summary["excluded"] == [demo.attacker_name()]
-    assert summary["honest_excluded"] == []
-    assert summary["honest_peers_with_strikes"] == {}
-    assert summary["steps"] == STEPS
-    assert summary["loss_fell"] and summary["last_val_loss"] < summary["first_val_loss"] - 0.5
+    assert summary.attacker_excluded_by_every_peer, demo.views()
+    assert summary.excluded == [demo.attacker_name()]
+    assert summary.honest_excluded == []
+    assert summary.honest_peers_with_strikes == {}
+    assert summary.steps == STEPS
+    assert summary.loss_fell and summary.last_val_loss < summary.first_val_loss - 0.5
     after_exclusion = [s for s in demo.steps if demo.attacker in s["excluded"]]
     # warm-up ends about when the attack starts; each verifier then needs 3 flags: within a few steps
     assert after_exclusion and after_exclusion[0]["step"] < ATTACK_START + 10
@@ -297,9 +297,9 @@ def test_malformed_tensors_get_a_clear_error_a_strike_and_the_verifier_keeps_ser
     # still serving, and counting what it refused
     assert demo.node("verifier0").alive
     deadline = time.monotonic() + 5
-    while demo.node("verifier0").status()["malformed"] < 3 and time.monotonic() < deadline:
+    while demo.node("verifier0").status().malformed < 3 and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert demo.node("verifier0").status()["malformed"] == 3
+    assert demo.node("verifier0").status().malformed == 3
 
 
 def test_stage_checks_tensors_from_a_verifier_and_keeps_serving(demo, tmp_path_factory):

@@ -10,15 +10,16 @@ import pytest
 from click.testing import CliRunner
 
 from dht import StageAnnouncement, StrikeRecord, TrainerAnnouncement, VerifierAnnouncement
-from peers import Exclusion, LivenessBlacklist, SwarmView
+from peers import Exclusion, LivenessBlacklist, SwarmView, order_candidates
 from sentinel_node.attacks import AttackError
 from sentinel_node.cli import main
 from sentinel_node.config import load_config
-from sentinel_node.roles.runtime import Gatekeeper, live_trainer, live_verifier, order_candidates, stage_of
 from sentinel_node.roles.stage import AttackOptions
 from sentinel_node.roles.trainer import Accounting, AccountingError
-from sentinel_node.roles.verifier import StrikePublisher, is_malformed
-from sentinel_node.transport import Hop, HopBanned, HopRefused
+from sentinel_node.roles.verifier import StrikePublisher
+from sentinel_node.roles.views import Gatekeeper, live_trainer, live_verifier, stage_of
+from sentinel_node.transport import HopBanned, HopRefused
+from sentinel_node.verification import Verdict, VerdictKind
 
 
 def peer(name: str) -> str:
@@ -113,9 +114,9 @@ def test_gatekeeper_admits_refuses_and_bans():
 def test_candidates_skip_excluded_and_try_suspended_peers_last():
     blacklist = LivenessBlacklist()
     blacklist.register_failure(STAGE0)
-    hop = Hop(peer_id=STAGE0, alternates=[CHEAT, OUTSIDER])
-    assert order_candidates(hop, view(), blacklist) == [OUTSIDER, STAGE0]
-    assert order_candidates(hop, view(), blacklist, skip=lambda p: p == OUTSIDER) == [STAGE0]
+    alternates = [CHEAT, OUTSIDER]
+    assert order_candidates(STAGE0, alternates, view(), blacklist) == [OUTSIDER, STAGE0]
+    assert order_candidates(STAGE0, alternates, view(), blacklist, skip=lambda p: p == OUTSIDER) == [STAGE0]
 
 
 def test_accounting_settles_each_microbatch_exactly_once():
@@ -157,9 +158,17 @@ def test_attack_options_build_what_a_stage_can_send():
         AttackOptions(name="nonsense").build(config, 1, seed=0)
 
 
-def test_malformed_reasons_are_told_from_statistical_flags():
-    assert is_malformed("non-finite values") and is_malformed("dtype torch.float16 instead of torch.float32")
-    assert not is_malformed("metric:l2,wasserstein") and not is_malformed("drift") and not is_malformed(None)
+def test_malformed_tensors_are_told_from_statistical_flags_by_kind_not_by_reason():
+    malformed = Verdict(VerdictKind.MALFORMED, None, struck=True, problem="non-finite values")
+    assert malformed.malformed and malformed.flagged and malformed.reason == "non-finite values"
+    metric = Verdict(VerdictKind.METRIC, None, struck=True, over=("l2", "wasserstein"))
+    assert not metric.malformed and metric.flagged and metric.reason == "metric:l2,wasserstein"
+    unstruck = Verdict(VerdictKind.DRIFT, None, struck=False)
+    assert not unstruck.malformed and unstruck.reason == "drift (boundary-wide shift: no strike)"
+    # a malformed tensor of a tainted microbatch is replaced without being judged
+    skipped = Verdict(VerdictKind.SKIPPED, None, problem="shape (1, 2) is not (batch, tokens, 8)")
+    assert skipped.malformed and not skipped.flagged and skipped.skipped
+    assert not Verdict(VerdictKind.ACCEPTED, None).malformed
 
 
 class SlowStore:

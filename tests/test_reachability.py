@@ -13,7 +13,7 @@ import pytest
 
 from dht import create_identity_file
 from sentinel_node.config import load_config
-from sentinel_node.demo import CLI, DEMO_CONFIG_PATH, LocalSwarm
+from sentinel_node.demo import DEMO_CONFIG_PATH
 from sentinel_node.roles.common import start_dht, stop_dht
 from sentinel_node.roles.reachability import (
     CheckRateLimit,
@@ -22,7 +22,8 @@ from sentinel_node.roles.reachability import (
     serve_reachability,
     tcp_endpoint,
 )
-from sentinel_node.roles.runtime import transport_settings
+from sentinel_node.roles.wire import transport_settings
+from sentinel_node.supervisor import CLI, LocalSwarm
 from sentinel_node.transport import HopRefused, TensorServer
 
 PEER = "QmYmjRMDzTJYFwFd27VsbA8YJm79zcZDjWAQdQwG2m8sXR"
@@ -120,8 +121,9 @@ def test_an_unreachable_node_says_what_to_open_and_is_announced_relayed(tmp_path
         log = hidden.log_tail(20000)
         assert "other peers cannot connect to this node" in log
         assert f"forward TCP port(s) {port}" in log and "--use-auto-relay" in log
-        assert (hidden.status() or {}).get("reachability", {}).get("reachable") is False
-        assert open_.status()["reachability"]["reachable"] is True
+        hidden_status = hidden.status()
+        assert hidden_status is not None and hidden_status.reachability.reachable is False
+        assert open_.status().reachability.reachable is True
         peers = subprocess.run(
             [
                 *CLI,

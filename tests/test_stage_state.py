@@ -60,13 +60,13 @@ def test_a_killed_replica_resumes_from_its_checkpoint_and_the_step_goes_on(swarm
     swarm.swarm.wait_ready([restarted], 120)
     assert restarted.peer_id == peer  # same identity
     status = wait_for(restarted.status, what="the restarted replica's status")
-    assert status["resumed_from"] == FIRST_RUN - 1 and status["last_step"] == FIRST_RUN - 1
+    assert status.resumed_from == FIRST_RUN - 1 and status.last_step == FIRST_RUN - 1
 
     # a new replica of the same stage takes the state from the live one before it serves
     joiner = swarm.swarm.start("stage1-1", "stage", "--stage", "1", "--state-dir", str(swarm.state_dir("stage1-1")))
     swarm.swarm.wait_ready([joiner], 120)
     joined = wait_for(joiner.status, what="the joining replica's status")
-    assert joined["synced_from"] == peer and joined["last_step"] == FIRST_RUN - 1 and joined["resumed_from"] is None
+    assert joined.synced_from == peer and joined.last_step == FIRST_RUN - 1 and joined.resumed_from is None
 
     second = swarm.train(steps=SECOND_RUN, name="trainer2")
     steps = [record["step"] for record in swarm.steps[FIRST_RUN:]]
@@ -78,7 +78,7 @@ def test_a_killed_replica_resumes_from_its_checkpoint_and_the_step_goes_on(swarm
     assert second_val[FIRST_RUN] < first_val[FIRST_RUN] + 0.1
     last = FIRST_RUN + SECOND_RUN - 1
     for replica in (restarted, joiner):
-        wait_for(lambda r=replica: (r.status() or {}).get("last_step") == last, what=f"{replica.name} at {last}")
+        wait_for(lambda r=replica: getattr(r.status(), "last_step", None) == last, what=f"{replica.name} at {last}")
     wait_for(lambda: max(step for step, _ in list_checkpoints(directory)) == last, what=f"checkpoint {last}")
 
 

@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import yaml
@@ -26,8 +25,9 @@ from click.testing import CliRunner, Result
 from dht import StrikeRecord, ephemeral_identity
 from peers import ExclusionParams, ExclusionPolicy, StrikeLedger, SwarmView
 from sentinel_node.cli import main
+from sentinel_node.cli.swarm_tables import render_bans, render_strikes, to_json
 from sentinel_node.config import load_config
-from sentinel_node.swarm_view import render_bans, render_strikes, to_json
+from sentinel_node.processes import alive, command_name, descendants
 
 CLI = [sys.executable, "-c", "from sentinel_node.cli import main; main()"]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -82,36 +82,6 @@ class Node:
 
 def swarm_cli(*args: str) -> Result:
     return CliRunner().invoke(main, ["swarm", *args])
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, frontier = [], [pid]
-    while frontier:
-        kids = children.get(frontier.pop(), [])
-        found += kids
-        frontier += kids
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def command_name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return "?"
 
 
 @pytest.fixture(scope="module")

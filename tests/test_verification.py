@@ -1,4 +1,5 @@
-"""SENTINEL's verification core (DESIGN.md section 3) on real boundary tensors of a tiny model training on real text.
+"""SENTINEL's verification core (docs/architecture.md section 3) on real boundary tensors of a tiny model training on
+real text.
 
 The honest streams are the activations and the gradients crossing the boundary of a two-stage tiny Llama that
 trains with AdamW on the embedded corpus; the attacks are those of the catalogue. Nothing under test is mocked.
@@ -30,7 +31,7 @@ from sentinel_node.verification import (
     MonitorSettings,
     Profile,
     Profiler,
-    StrikeLedger,
+    SenderStrikes,
 )
 
 HIDDEN = 32
@@ -377,7 +378,7 @@ def test_an_honest_sender_with_a_rare_glitch_is_forgiven(streams):
 
 
 def test_ledger_forgives_one_strike_after_f_clean_checks():
-    ledger = StrikeLedger(strike_limit=3, forgive_after=10)
+    ledger = SenderStrikes(strike_limit=3, forgive_after=10)
     ledger.record("peer", True)
     ledger.record("peer", True)
     for _ in range(9):
@@ -392,7 +393,7 @@ def test_ledger_forgives_one_strike_after_f_clean_checks():
 
 
 def test_ledger_a_flag_restarts_the_clean_streak():
-    ledger = StrikeLedger(strike_limit=3, forgive_after=10)
+    ledger = SenderStrikes(strike_limit=3, forgive_after=10)
     ledger.record("peer", True)
     for _ in range(9):
         ledger.record("peer", False)
@@ -404,7 +405,7 @@ def test_ledger_a_flag_restarts_the_clean_streak():
 
 
 def test_ledger_bans_at_the_limit_and_a_ban_is_final():
-    ledger = StrikeLedger(strike_limit=3, forgive_after=2)
+    ledger = SenderStrikes(strike_limit=3, forgive_after=2)
     assert [ledger.record("bad", True).banned for _ in range(3)] == [False, False, True]
     for _ in range(10):
         ledger.record("bad", False)
@@ -415,7 +416,7 @@ def test_ledger_bans_at_the_limit_and_a_ban_is_final():
 
 
 def test_ledger_keeps_senders_apart():
-    ledger = StrikeLedger(strike_limit=2, forgive_after=5)
+    ledger = SenderStrikes(strike_limit=2, forgive_after=5)
     ledger.record("a", True)
     ledger.record("b", False)
     ledger.record("a", True)

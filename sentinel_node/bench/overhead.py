@@ -32,7 +32,9 @@ from pathlib import Path
 import yaml
 
 from sentinel_node.config import Config, load_config
-from sentinel_node.demo import DEMO_CONFIG_PATH, LOOPBACK, LocalSwarm
+from sentinel_node.demo import DEMO_CONFIG_PATH
+from sentinel_node.roles.status import StageStatus, VerifierStatus
+from sentinel_node.supervisor import LOOPBACK, LocalSwarm, SwarmStartError
 
 MODES = ("verified", "relay", "duplicate")
 BENCH_MODEL = {"hidden_size": 128, "intermediate_size": 344, "n_layers": 12, "n_heads": 4, "n_kv_heads": 4}
@@ -57,6 +59,7 @@ def run_overhead(
 ) -> dict:
     """Starts the swarm, trains ``settings.steps`` steps cycling the modes, stops every process; the report."""
     from sentinel_node.roles.common import JoinOptions
+    from sentinel_node.roles.route_modes import RoutingMode, RoutingSchedule
     from sentinel_node.roles.trainer import StepLog, TrainerOptions, run_trainer
 
     with tempfile.TemporaryDirectory(prefix="sentinel-bench-") as scratch:
@@ -84,7 +87,9 @@ def run_overhead(
             swarm.wait_ready(nodes, settings.start_timeout)
             echo(f"swarm up in {time.monotonic() - started:.0f}s; {settings.steps} steps cycling {', '.join(MODES)}")
             checking, relay = swarm.nodes["checking"].peer_id, swarm.nodes["relay"].peer_id
-            schedule = (((checking,), False), ((relay,), False), ((relay,), True))
+            schedule = RoutingSchedule(
+                (RoutingMode((checking,)), RoutingMode((relay,)), RoutingMode((relay,), copies=2))
+            )
             logs: list[StepLog] = []
 
             def on_step(log: StepLog) -> None:
@@ -94,11 +99,14 @@ def run_overhead(
             summary = run_trainer(
                 JoinOptions(config=config, initial_peers=tuple(swarm.initial_peers), host_maddrs=(LOOPBACK,)),
                 on_ready=lambda *_: None,
-                settings=TrainerOptions(steps=settings.steps, start_step=0, eval_every=0, schedule=schedule),
+                settings=TrainerOptions(steps=settings.steps, start_step=0, eval_every=0, routing=schedule),
                 on_step=on_step,
             )
-            checking_status = swarm.nodes["checking"].status() or {}
-            stages = {name: node.status() or {} for name, node in swarm.nodes.items() if node.role == "stage"}
+            checking_status = swarm.nodes["checking"].status()
+            if not isinstance(checking_status, VerifierStatus):
+                raise SwarmStartError("the checking verifier wrote no status; see its log in the workdir")
+            stages = {name: node.status() for name, node in swarm.nodes.items() if node.role == "stage"}
+            stages = {name: status for name, status in stages.items() if isinstance(status, StageStatus)}
         steps = {mode: [] for mode in MODES}
         for log in logs[settings.warmup_steps :]:
             steps[MODES[log.mode]].append(asdict(log))
@@ -118,13 +126,13 @@ def _report(
     settings: OverheadSettings,
     steps: dict[str, list[dict]],
     duplicate_loss_gap: float | None,
-    checking: dict,
-    stages: dict[str, dict],
+    checking: VerifierStatus,
+    stages: dict[str, StageStatus],
     wall_s: float,
 ) -> dict:
     throughput = {mode: _tokens_per_s(records) for mode, records in steps.items()}
-    forward_ms = [s["forward_cpu_ms"] for s in stages.values() if s.get("forward_cpu_ms") is not None]
-    check_ms = checking.get("cpu_ms_per_check")
+    forward_ms = [s.forward_cpu_ms for s in stages.values() if s.forward_cpu_ms is not None]
+    check_ms = checking.cpu_ms_per_check
     mean_forward = sum(forward_ms) / len(forward_ms) if forward_ms else None
     ratios = {
         "verified_over_relay": throughput["verified"] / throughput["relay"] if throughput["relay"] else None,
@@ -147,7 +155,7 @@ def _report(
         "targets": TARGETS,
         "meets_targets": all(ratios[k] is not None and ratios[k] >= v for k, v in TARGETS.items()),
         "verifier_cpu_ms_per_check": check_ms,
-        "checks": checking.get("checks"),
+        "checks": checking.checks,
         "stage_forward_cpu_ms": mean_forward,
         "check_over_forward": check_ms / mean_forward if check_ms and mean_forward else None,
         "cpu_accounting": cpu,
@@ -156,7 +164,7 @@ def _report(
     }
 
 
-def _cpu_accounting(config: Config, checking: dict, stages: dict[str, dict]) -> dict | None:
+def _cpu_accounting(config: Config, checking: VerifierStatus, stages: dict[str, StageStatus]) -> dict | None:
     """The ratios a CPU-bound swarm would show, from CPU time alone, whatever else loads the machine.
 
     C: the stages' compute per microbatch (forward and backward on every stage of a route); V: the checks per
@@ -164,9 +172,9 @@ def _cpu_accounting(config: Config, checking: dict, stages: dict[str, dict]) -> 
     2C / (C + V). Transport CPU, paid alike by every mode (twice by duplicate), is left out, which understates
     both ratios.
     """
-    visits = sum(s.get("served", 0) + s.get("dropped", 0) + s.get("evaluated", 0) for s in stages.values())
-    cpu_s = sum(s.get("compute_cpu_s", 0.0) for s in stages.values())
-    check_ms = checking.get("cpu_ms_per_check")
+    visits = sum(s.served + s.dropped + s.evaluated for s in stages.values())
+    cpu_s = sum(s.compute_cpu_s for s in stages.values())
+    check_ms = checking.cpu_ms_per_check
     if not visits or not check_ms:
         return None
     n_stages = config.pipeline.n_stages

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from sentinel_node.config import VerificationConfig
-from sentinel_node.verification import BoundaryMonitor, StrikeLedger, Verdict, VerdictKind
+from sentinel_node.verification import BoundaryMonitor, SenderStrikes, Verdict, VerdictKind
 
 
 class BoundaryVerifier:
@@ -27,7 +27,7 @@ class BoundaryVerifier:
         enabled: bool = True,
     ):
         self.enabled = enabled
-        self.ledger = StrikeLedger(config.strike_limit, config.forgive_after)
+        self.ledger = SenderStrikes(config.strike_limit, config.forgive_after)
         self.monitors: dict[tuple[int, str], BoundaryMonitor] = {
             (boundary, direction): BoundaryMonitor(
                 config.monitor_settings(direction, seed),

@@ -28,6 +28,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from dht import Identity, RecordStore, SwarmKeys, create_identity_file, load_identity_file, swarm_validators
 from sentinel_node.config import Config
+from sentinel_node.processes import alive, descendants
 
 logger = get_logger(__name__)
 
@@ -180,7 +181,7 @@ def stop_dht(dht: hivemind.DHT) -> None:
     dht.join(timeout=5)
     deadline = time.monotonic() + 2
     while orphans and time.monotonic() < deadline:
-        orphans = [pid for pid in orphans if _alive(pid)]
+        orphans = [pid for pid in orphans if alive(pid)]
         time.sleep(0.05)
     for pid in orphans:
         logger.warning(f"process {pid} outlived its DHT; killing it")
@@ -230,29 +231,3 @@ class StopSignals:
             return
         self.received = signal.Signals(signum)
         self.event.set()
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc; empty where there is none)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            # the command name may hold spaces and parentheses: the fields we need follow its last ')'
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, frontier = [], [pid]
-    while frontier:
-        kids = children.get(frontier.pop(), [])
-        found += kids
-        frontier += kids
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"

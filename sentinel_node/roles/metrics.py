@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import hivemind
 from hivemind.utils import get_logger
@@ -20,7 +21,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from peers import SwarmView
 from sentinel_node.roles.common import NodeStartError
-from sentinel_node.roles.runtime import NodeContext
+
+if TYPE_CHECKING:
+    from sentinel_node.roles.node import NodeContext
 
 logger = get_logger(__name__)
 

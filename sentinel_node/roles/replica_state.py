@@ -31,7 +31,7 @@ from sentinel_node.pipeline.checkpoint import (
 from sentinel_node.pipeline.state_transfer import pack_state, unpack_state
 from sentinel_node.roles.averaging import ReplicaAverager
 from sentinel_node.roles.common import NodeError
-from sentinel_node.roles.runtime import ComputeLane
+from sentinel_node.roles.compute import ComputeLane
 
 logger = get_logger(__name__)
 

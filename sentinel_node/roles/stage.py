@@ -1,4 +1,5 @@
-"""The stage role: one replica of stage K of the model, serving microbatches as nested calls (DESIGN.md section 5).
+"""The stage role: one replica of stage K of the model, serving microbatches as nested calls (see
+docs/architecture.md section 5).
 
 ``sentinel.stage.forward`` takes a microbatch (stage 0: token ids; later stages: the hidden states a verifier of
 boundary K-1|K relayed) with its targets, computes the stage's forward pass, calls the next hop of the route (the
@@ -28,62 +29,39 @@ import asyncio
 import contextlib
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from hivemind.p2p import P2P
-from hivemind.utils import get_dht_time, get_logger
+from hivemind.utils import get_logger
+from hivemind.utils.performance_ema import PerformanceEMA
 
-from dht import Announcer, StageAnnouncement
+from dht import StageAnnouncement
 from peers import LivenessBlacklist
-from sentinel_node.attacks import Attacker, AttackError, load_attack_file, make_attack
+from sentinel_node.attacks import Attacker, AttackError, arm, attack_maker
 from sentinel_node.config import Config
 from sentinel_node.pipeline import StageWorker
 from sentinel_node.pipeline.device import DeviceError
 from sentinel_node.roles.averaging import ReplicaAverager
-from sentinel_node.roles.common import JoinOptions, NodeError, software_version
-from sentinel_node.roles.metrics import Sample, serve_metrics
-from sentinel_node.roles.reachability import Reachability
+from sentinel_node.roles.calls import call_hop
+from sentinel_node.roles.common import JoinOptions, NodeError
+from sentinel_node.roles.compute import ComputeLane
+from sentinel_node.roles.metrics import Sample
+from sentinel_node.roles.node import Node, NodeContext, periodically, started_node
 from sentinel_node.roles.replica_state import ReplicaState
-from sentinel_node.roles.runtime import (
+from sentinel_node.roles.status import NodeStatus, ReachabilityStatus, StageStatus
+from sentinel_node.roles.views import Gatekeeper, live_trainer, live_verifier
+from sentinel_node.roles.wire import (
     STAGE_FORWARD,
     STAGE_STEP,
     VERIFIER_RELAY,
-    ComputeLane,
-    Gatekeeper,
-    NodeContext,
     PipelineRequest,
     Shapes,
     StepReply,
     StepRequest,
-    ViewKeeper,
-    bounded,
-    live_trainer,
-    live_verifier,
-    note_failures,
-    order_candidates,
-    periodically,
-    pipeline_node,
-    reachability,
-    replicate_p2p,
-    transport_settings,
-    view_summary,
-    wait_for_stop,
-    write_status,
 )
-from sentinel_node.transport import (
-    Answer,
-    HopError,
-    HopMalformed,
-    HopRefused,
-    Incoming,
-    MicrobatchReply,
-    TensorServer,
-    call_first_available,
-)
+from sentinel_node.transport import Answer, HopMalformed, HopRefused, Incoming, MicrobatchReply, TensorServer
 
 logger = get_logger(__name__)
 
@@ -106,24 +84,16 @@ class AttackOptions:
 
     def build(self, config: Config, stage: int, seed: int) -> dict[str, Attacker]:
         """An Attacker per direction this stage sends (the last stage sends no activation, stage 0 no gradient)."""
-        if (self.name is None) == (self.file is None):
-            raise AttackError("give exactly one of --attack NAME and --attack-file PATH.py:NAME")
-        if not 0 < self.probability <= 1:
-            raise AttackError(f"--attack-probability must be in (0, 1], got {self.probability}")
-        directions = ("activation", "gradient") if self.target == "both" else (self.target,)
-        n_stages = config.pipeline.n_stages
-        attackers = {}
-        for direction in directions:
-            if (direction == "activation" and stage == n_stages - 1) or (direction == "gradient" and stage == 0):
-                continue
-            if self.file is not None:
-                fn = load_attack_file(self.file)[1]
-            elif self.name == "adaptive":
-                fn = make_attack("adaptive", settings=config.verification.monitor_settings(direction, seed))
-            else:
-                fn = make_attack(self.name)
-            attack_seed = zlib.crc32(f"{seed}:{stage}:{direction}".encode())
-            attackers[direction] = Attacker(fn, start=self.start, probability=self.probability, seed=attack_seed)
+        _, make = attack_maker(self.name, self.file, lambda d: config.verification.monitor_settings(d, seed))
+        attackers = arm(
+            make,
+            self.target,
+            stage,
+            config.pipeline.n_stages,
+            start=self.start,
+            probability=self.probability,
+            seed=f"{seed}:{stage}",
+        )
         if not attackers:
             raise AttackError(f"stage {stage} sends no {self.target}: nothing to attack (choose another target)")
         return attackers
@@ -164,7 +134,7 @@ def run_stage(
         raise NodeError(str(e)) from None
     state = ReplicaState(worker, config.swarm_hash(), settings.state_dir, settings.checkpoint_every)
     state.resume()
-    with pipeline_node(options, stop_event) as context:
+    with started_node(options, stop_event) as context:
         averager = None
         if settings.average:
             averager = ReplicaAverager(
@@ -181,8 +151,10 @@ def run_stage(
                 averager.shutdown()
 
 
-class StageNode:
+class StageNode(Node):
     """The serving side of one stage replica."""
+
+    role = "stage"
 
     def __init__(
         self,
@@ -193,22 +165,18 @@ class StageNode:
         averager: ReplicaAverager | None,
         state: ReplicaState,
     ) -> None:
-        self.context, self.settings, self.worker = context, settings, worker
-        self.config = context.config
+        super().__init__(context, settings.status_file)
+        self.settings, self.worker = settings, worker
         self.stage = settings.stage
         self.n_stages = self.config.pipeline.n_stages
         self.attackers = attackers
         self.averager = averager
         self.shapes = Shapes.of(self.config)
-        self.transport = transport_settings(self.config)
         self.lane = ComputeLane(f"stage{self.stage}")
-        self.views = ViewKeeper(context)
         self.gate = Gatekeeper(self.views)
         self.blacklist = LivenessBlacklist()
-        self.p2p: P2P | None = None
         self.state = state
         self.last_step = state.step  # the last global step applied (or being applied)
-        self.reachability: Reachability | None = None
         self.stats = {
             "served": 0,
             "evaluated": 0,
@@ -222,105 +190,86 @@ class StageNode:
         self._averaged: list[torch.Tensor] | None = None  # the snapshot of a finished round, until applied
         self._cpu_s = 0.0  # CPU time of this replica's torch work (its compute lane's thread)
         self._reported = (0, 0.0)  # microbatches and CPU time at the last throughput report
-        self._throughput = 0.0
+        # tokens per CPU second of compute, what trainers weigh routes by
+        self.throughput = PerformanceEMA(alpha=0.3, paused=True)
         self.forward_cpu_s = 0.0  # of training forwards alone: what a verifier's check is weighed against
         self.forwards = 0
 
-    # --- lifecycle
+    # --- lifecycle hooks
 
-    async def serve(self, on_ready: Callable[[str, list[str]], None]) -> None:
-        context = self.context
-        # first: a taken port fails the start at once
-        metrics = serve_metrics(context, "stage", self._samples, view=lambda: self.views.view)
-        self.p2p = await replicate_p2p(context)
+    async def prepare(self) -> None:
         if self.averager is not None:
             await self.state.sync(self._other_replicas, self.averager, self.lane)
             self.last_step = self.state.step
             self.averager.share_state(self.state.current)
-        server = TensorServer(self.p2p, self.transport)
+            self.views.listeners.append(lambda view: self.averager.set_excluded(view.excluded))
+        tokens, cpu_s = await self.lane.run(self._benchmark)
+        self.throughput.update(tokens, interval=cpu_s)
+
+    async def add_handlers(self, server: TensorServer) -> None:
         if self.worker.is_first:
             expect = [self.shapes.tokens, self.shapes.tokens]
         else:
             expect = [self.shapes.hidden_spec, self.shapes.tokens]
         await server.add_handler(STAGE_FORWARD, self._forward, PipelineRequest, authorize=self._admit, expect=expect)
         await server.add_handler(STAGE_STEP, self._step, StepRequest, authorize=self._admit_step, expect=[])
-        self.reachability = await reachability(context, self.p2p, server)
-        if self.averager is not None:
-            self.views.listeners.append(lambda view: self.averager.set_excluded(view.excluded))
-        self._throughput = await self.lane.run(self._benchmark)
-        announcer = Announcer(
-            context.store, self._announcement(), self.config.swarm.announce_period, self.config.swarm.announce_ttl
-        ).start()
-        background = [
-            asyncio.create_task(self.views.run()),
-            asyncio.create_task(periodically(self.config.swarm.announce_period, lambda: self._report(announcer))),
-        ]
+
+    def announcement(self) -> StageAnnouncement:
+        return self.announced(
+            StageAnnouncement,
+            throughput=float(self.throughput.samples_per_second),
+            stage=self.stage,
+            last_step=self.last_step,
+        )
+
+    def background(self):
+        return [periodically(self.config.swarm.announce_period, self._report)]
+
+    def ready_line(self) -> str:
         kind = "red-team replica" if self.attackers else "replica"
-        logger.info(f"stage {self.stage} {kind} {context.peer_id} serving swarm {self.config.swarm.prefix}")
-        on_ready(context.peer_id, context.maddrs)
-        try:
-            await wait_for_stop(context)
-        finally:
-            for task in background:
-                task.cancel()
-            if self.averaging is not None:
-                self.averaging.cancel()
-            if context.dht.is_alive():  # else p2pd died with it: nothing to remove
-                await bounded(server.remove_handlers(), 5, "removing the handlers")
-            announcer.stop(offline=context.dht.is_alive())
-            with contextlib.suppress(Exception):  # a failed save is logged inside; the stop goes on
-                await self.lane.run(self.state.save)
-            await asyncio.to_thread(self.state.close)
-            self._write_status()
-            self.lane.close()
-            if metrics is not None:
-                metrics.stop()
-            await bounded(self.p2p.shutdown(), 5, "closing the libp2p handle")
+        return f"stage {self.stage} {kind} {self.peer_id} serving swarm {self.config.swarm.prefix}"
+
+    async def stopping(self) -> None:
+        if self.averaging is not None:
+            self.averaging.cancel()
+
+    async def finish(self) -> None:
+        with contextlib.suppress(Exception):  # a failed save is logged inside; the stop goes on
+            await self.lane.run(self.state.save)
+        await asyncio.to_thread(self.state.close)
+
+    def close(self) -> None:
+        self.lane.close()
 
     async def _other_replicas(self) -> list[str]:
         view = await self.views.refresh(force=True)
-        return [a.peer_id for a in view.live_replicas(self.stage) if a.peer_id != self.context.peer_id]
+        return [a.peer_id for a in view.live_replicas(self.stage) if a.peer_id != self.peer_id]
 
-    def _samples(self) -> list[Sample]:
+    def samples(self) -> list[Sample]:
         samples = [
             Sample("sentinel_global_step", self.last_step),
-            Sample("sentinel_tokens_per_second", self._throughput),
+            Sample("sentinel_tokens_per_second", self.throughput.samples_per_second),
             Sample("sentinel_checkpoints_saved", self.state.saved),
         ]
         for outcome in ("served", "evaluated", "dropped", "failed"):
             samples.append(Sample("sentinel_microbatches", self.stats[outcome], (outcome,)))
         return samples
 
-    def _announcement(self) -> StageAnnouncement:
-        return StageAnnouncement(
-            peer_id=self.context.peer_id,
-            maddrs=self.context.maddrs,
-            state="online",
-            relayed=self.reachability.relayed,
-            throughput=float(self._throughput),
-            stage=self.stage,
-            last_step=self.last_step,
-            config_hash=self.config.swarm_hash(),
-            version=software_version(),
-            time=get_dht_time(),
-        )
-
-    def _report(self, announcer: Announcer) -> None:
+    def _report(self) -> None:
         """Announces tokens per CPU second of this replica's compute (what trainers weigh routes by), followed as
-        an average over report periods with some work in them."""
+        an average over report periods with some work in them, and its last step."""
         done = self.stats["served"] + self.stats["evaluated"] + self.stats["dropped"]
         microbatches, cpu_s = done - self._reported[0], self._cpu_s - self._reported[1]
         if microbatches >= 2 and cpu_s > 0:
-            measured = microbatches * self.shapes.tokens_per_microbatch / cpu_s
-            self._throughput = 0.7 * self._throughput + 0.3 * measured
+            self.throughput.update(microbatches * self.shapes.tokens_per_microbatch, interval=cpu_s)
             self._reported = (done, self._cpu_s)
-            announcer.update(throughput=float(self._throughput))
-        if announcer.record.last_step != self.last_step:
-            announcer.update(last_step=self.last_step)
-        self._write_status()
+            self.announcer.update(throughput=float(self.throughput.samples_per_second))
+        if self.announcer.record.last_step != self.last_step:
+            self.announcer.update(last_step=self.last_step)
+        self.write_status()
 
-    def _benchmark(self, rounds: int = 3) -> float:
-        """Tokens per CPU second of forward and backward on random microbatches, the first (warm-up) not counted:
+    def _benchmark(self, rounds: int = 3) -> tuple[int, float]:
+        """(tokens, CPU seconds) of forward and backward on random microbatches, the first (warm-up) not counted:
         a replica starts with a fair share of traffic instead of the share its slow first microbatch would earn."""
         shape = (self.shapes.batch, self.shapes.seq_len)
         inputs = (
@@ -336,30 +285,27 @@ class StageNode:
             if index:
                 timed += time.thread_time() - started
         module.zero_grad(set_to_none=True)
-        return rounds * self.shapes.tokens_per_microbatch / max(timed, 1e-6)
+        return rounds * self.shapes.tokens_per_microbatch, max(timed, 1e-6)
 
-    def _write_status(self) -> None:
-        write_status(
-            self.settings.status_file,
-            {
-                "role": "stage",
-                "stage": self.stage,
-                "peer_id": self.context.peer_id,
-                "attacker": bool(self.attackers),
-                "last_step": self.last_step,
-                "resumed_from": self.state.resumed_from,
-                "synced_from": self.state.synced_from,
-                "checkpoints": self.state.saved,
-                "reachability": self.reachability.as_dict() if self.reachability else None,
-                "averaging_rounds": self.averager.rounds if self.averager else 0,
-                "averaged_with": self.averaged_with,
-                "throughput": self._throughput,
-                "forward_cpu_ms": 1000 * self.forward_cpu_s / self.forwards if self.forwards else None,
-                "compute_cpu_s": self._cpu_s,
-                "time": time.time(),
-                **self.stats,
-                **view_summary(self.views.view),
-            },
+    def status(self) -> StageStatus:
+        reach = self.reachability
+        return StageStatus(
+            stage=self.stage,
+            peer_id=self.peer_id,
+            attacker=bool(self.attackers),
+            last_step=self.last_step,
+            resumed_from=self.state.resumed_from,
+            synced_from=self.state.synced_from,
+            checkpoints=self.state.saved,
+            reachability=None if reach is None else ReachabilityStatus(**reach.as_dict()),
+            averaging_rounds=self.averager.rounds if self.averager else 0,
+            averaged_with=self.averaged_with,
+            throughput=self.throughput.samples_per_second,
+            forward_cpu_ms=1000 * self.forward_cpu_s / self.forwards if self.forwards else None,
+            compute_cpu_s=self._cpu_s,
+            time=time.time(),
+            **self.stats,
+            **NodeStatus.view_fields(self.views.view),
         )
 
     # --- who may call
@@ -435,18 +381,17 @@ class StageNode:
 
     async def _call_next(self, meta: PipelineRequest, tensors: list[torch.Tensor]):
         hop, next_meta = meta.advance()
-        candidates = order_candidates(hop, self.views.view, self.blacklist)
-        if not candidates:
-            raise HopRefused(f"every verifier the route names for boundary {self.stage}|{self.stage + 1} is excluded")
-        try:
-            reply = await call_first_available(
-                self.p2p, candidates, VERIFIER_RELAY, tensors, next_meta, settings=self.transport
-            )
-        except HopError as e:
-            note_failures(self.blacklist, e.failures or [e])
-            raise
-        note_failures(self.blacklist, reply.failures)
-        return reply
+        return await call_hop(
+            self.p2p,
+            hop,
+            self.views.view,
+            self.blacklist,
+            VERIFIER_RELAY,
+            tensors,
+            next_meta,
+            self.transport,
+            nobody=f"every verifier the route names for boundary {self.stage}|{self.stage + 1} is excluded",
+        )
 
     def _fits(self, tensor: torch.Tensor) -> bool:
         return (
@@ -542,8 +487,8 @@ class StageNode:
 
     async def _average(self, step: int) -> None:
         view = self.views.view
-        others = [a.peer_id for a in view.live_replicas(self.stage) if a.peer_id != self.context.peer_id]
-        if not others or view.is_excluded(self.context.peer_id):
+        others = [a.peer_id for a in view.live_replicas(self.stage) if a.peer_id != self.peer_id]
+        if not others or view.is_excluded(self.peer_id):
             self.averaging = None  # nobody to average with (or nobody who would average with us)
             return
         try:

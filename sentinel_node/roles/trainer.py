@@ -35,38 +35,23 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hivemind.p2p import P2P
-from hivemind.utils import get_dht_time, get_logger
+from hivemind.utils import get_logger
 
-from dht import Announcer, TrainerAnnouncement
-from peers import LivenessBlacklist, NoRouteError, Route, SwarmView, choose_route
+from dht import TrainerAnnouncement
+from peers import LivenessBlacklist, NoRouteError, Route, SwarmView, choose_route, expand
 from sentinel_node.model.corpus import Corpus, load_corpus, sample_batch, validation_batches
-from sentinel_node.roles.common import JoinOptions, NodeError, software_version
-from sentinel_node.roles.metrics import Sample, serve_metrics
-from sentinel_node.roles.runtime import (
-    STAGE_FORWARD,
-    STAGE_STEP,
-    NodeContext,
-    PipelineRequest,
-    Shapes,
-    StepReply,
-    StepRequest,
-    ViewKeeper,
-    bounded,
-    note_failures,
-    pipeline_node,
-    replicate_p2p,
-    transport_settings,
-    view_summary,
-    wait_for_stop,
-    write_status,
-)
+from sentinel_node.roles.calls import note_failures
+from sentinel_node.roles.common import JoinOptions, NodeError
+from sentinel_node.roles.metrics import Sample
+from sentinel_node.roles.node import Node, NodeContext, started_node, wait_for_stop
+from sentinel_node.roles.route_modes import RoutingSchedule
+from sentinel_node.roles.status import AccountingStatus, NodeStatus, TrainerStatus
+from sentinel_node.roles.wire import STAGE_FORWARD, STAGE_STEP, PipelineRequest, Shapes, StepReply, StepRequest
 from sentinel_node.transport import Hop, HopError, Reply, call_first_available, call_peer
 
 logger = get_logger(__name__)
 
 STEP_CALL_TIMEOUT_S = 10.0
-MAX_ALTERNATES = 2
 
 
 @dataclass(frozen=True)
@@ -83,16 +68,7 @@ class TrainerOptions:
     status_file: str | None = None
     progress: bool = False
     start_step: int | None = None  # None: resume from the highest global step a trainer announced
-    only_verifiers: tuple[str, ...] = ()  # route through these verifiers only (benchmarks)
-    duplicate: bool = False  # the baseline SENTINEL replaces: every microbatch computed by two replicas, compared
-    # benchmarks: routing modes cycled step by step, each (only_verifiers, duplicate); overrides the two above
-    schedule: tuple[tuple[tuple[str, ...], bool], ...] = ()
-
-    def mode(self, step: int) -> tuple[tuple[str, ...], bool]:
-        """The verifiers to route through (empty: any) and whether to compute twice, at global step ``step``."""
-        if self.schedule:
-            return self.schedule[step % len(self.schedule)]
-        return self.only_verifiers, self.duplicate
+    routing: RoutingSchedule = field(default_factory=RoutingSchedule)  # benches inject other modes
 
 
 class AccountingError(RuntimeError):
@@ -161,7 +137,7 @@ class StepLog:
     accounting: dict
     wall_s: float
     step_s: float = 0.0  # this step's time: its microbatches and the step calls, not validation
-    mode: int = 0  # index into TrainerOptions.schedule, if one is given
+    mode: int = 0  # index into TrainerOptions.routing.modes
 
 
 @dataclass
@@ -201,11 +177,14 @@ def run_trainer(
         corpus = load_corpus(config.data.path, config.data.val_fraction, config.data.max_bytes)
     except (OSError, ValueError) as e:
         raise NodeError(f"cannot read the training data: {e}") from None
-    with pipeline_node(options, stop_event) as context:
-        return asyncio.run(TrainerNode(context, settings, corpus, on_step).run(on_ready))
+    with started_node(options, stop_event) as context:
+        return asyncio.run(TrainerNode(context, settings, corpus, on_step).serve(on_ready))
 
 
-class TrainerNode:
+class TrainerNode(Node):
+    role = "trainer"
+    serves = False  # it only calls out
+
     def __init__(
         self,
         context: NodeContext,
@@ -213,12 +192,10 @@ class TrainerNode:
         corpus: Corpus,
         on_step: Callable[[StepLog], None] | None,
     ) -> None:
-        self.context, self.settings, self.corpus, self.on_step = context, settings, corpus, on_step
-        self.config = context.config
+        super().__init__(context, settings.status_file)
+        self.settings, self.corpus, self.on_step = settings, corpus, on_step
         pipe = self.config.pipeline
         self.shapes = Shapes.of(self.config)
-        self.transport = transport_settings(self.config)
-        self.views = ViewKeeper(context)
         self.blacklist = LivenessBlacklist()
         seed = self.config.swarm.seed if settings.seed is None else settings.seed
         self.data_rng = np.random.default_rng([seed, 0xDA7A])
@@ -233,37 +210,22 @@ class TrainerNode:
         self.step = 0  # the next global step
         self.first_step = 0
         self.duplicate_gaps: list[float] = []
-        self.p2p: P2P | None = None
-        self.announcer: Announcer | None = None
         self._started = time.monotonic()
         self._last_log: StepLog | None = None
+        self._summary: TrainerSummary | None = None
 
-    async def run(self, on_ready: Callable[[str, list[str]], None]) -> TrainerSummary:
-        context = self.context
-        # first: a taken port fails the start at once
-        metrics = serve_metrics(context, "trainer", self._samples, view=lambda: self.views.view)
-        self.p2p = await replicate_p2p(context)
-        self.announcer = Announcer(
-            context.store,
-            TrainerAnnouncement(
-                peer_id=context.peer_id,
-                maddrs=context.maddrs,
-                state="online",
-                relayed=False,
-                throughput=0.0,
-                global_step=0,
-                loss=None,
-                config_hash=self.config.swarm_hash(),
-                version=software_version(),
-                time=get_dht_time(),
-            ),
-            self.config.swarm.announce_period,
-            self.config.swarm.announce_ttl,
-        ).start()
-        refreshing = asyncio.create_task(self.views.run())
-        on_ready(context.peer_id, context.maddrs)
+    # --- lifecycle hooks
+
+    def announcement(self) -> TrainerAnnouncement:
+        return self.announced(TrainerAnnouncement, global_step=0, loss=None)
+
+    def ready_line(self) -> str:
+        return f"trainer {self.peer_id} joined swarm {self.config.swarm.prefix}"
+
+    async def main(self) -> TrainerSummary:
+        """Trains until done, or until asked to stop (abandoning the microbatches in flight)."""
         training = asyncio.create_task(self._train())
-        stopping = asyncio.create_task(wait_for_stop(context))
+        stopping = asyncio.create_task(wait_for_stop(self.context))
         try:
             await asyncio.wait({training, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if not training.done():
@@ -277,17 +239,19 @@ class TrainerNode:
                 stopping.result()  # a dead DHT surfaces here
         finally:
             stopping.cancel()
-            refreshing.cancel()
-            summary = self.summary()
-            self._emit({"event": "summary", **asdict(summary)})
-            self._write_status()
-            self.announcer.stop(offline=context.dht.is_alive())
-            if metrics is not None:
-                metrics.stop()
-            await bounded(self.p2p.shutdown(), 5, "closing the libp2p handle")
-        return summary
+        return self._summary_now()
 
-    def _samples(self) -> list[Sample]:
+    async def finish(self) -> None:
+        self._summary_now()
+
+    def _summary_now(self) -> TrainerSummary:
+        """The summary, emitted once, however training ended."""
+        if self._summary is None:
+            self._summary = self.summary()
+            self._emit({"event": "summary", **asdict(self._summary)})
+        return self._summary
+
+    def samples(self) -> list[Sample]:
         log, accounting = self._last_log, self.accounting
         samples = [
             Sample("sentinel_global_step", self.step - 1),
@@ -374,7 +338,7 @@ class TrainerNode:
             accounting=self.accounting.as_dict(),
             wall_s=time.monotonic() - self._started,
             step_s=elapsed,
-            mode=step % len(self.settings.schedule) if self.settings.schedule else 0,
+            mode=self.settings.routing.index(step),
         )
         logger.info(
             f"step {step}: loss {loss if loss is None else round(loss, 4)}, {log.tokens_per_s:.0f} tokens/s, "
@@ -383,7 +347,7 @@ class TrainerNode:
         )
         self._last_log = log
         self._emit({"event": "step", **asdict(log)})
-        self._write_status()
+        self.write_status()
         if self.on_step is not None:
             self.on_step(log)
         return log
@@ -396,13 +360,14 @@ class TrainerNode:
             self.accounting.start(name)
         outcome, loss = "failed", None
         avoid: set[str] = set()
-        copies = 2 if self.settings.mode(step)[1] and train else 1
+        mode = self.settings.routing.at(step)
+        copies = mode.copies if train else 1
         try:
             async with self.inflight:
                 for attempt in range(self.settings.max_attempts):
                     if attempt and train:
                         self.accounting.retried += 1
-                    routes = await self._routes(avoid, copies)
+                    routes = await self._routes(avoid, copies, mode.barred(self.views.view))
                     if routes is None:
                         continue
                     calls = [
@@ -464,22 +429,23 @@ class TrainerNode:
             await asyncio.sleep(self.config.swarm.announce_period)
             await self.views.refresh(force=True)
 
-    async def _routes(self, avoid: set[str], copies: int) -> list[list[Hop]] | None:
-        """``copies`` routes; duplicates go through other replicas than the first copy where the swarm has them."""
+    async def _routes(self, avoid: set[str], copies: int, barred: set[str]) -> list[list[Hop]] | None:
+        """``copies`` routes, never through ``barred`` verifiers; duplicates go through other replicas than the first
+        copy where the swarm has them."""
         routes: list[list[Hop]] = []
         taken: set[str] = set()
         for _ in range(copies):
-            hops = await self._route(avoid | taken)
+            hops = await self._route(avoid | taken, barred)
             if hops is None:
                 return None
             routes.append(hops)
             taken |= {hop.peer_id for hop in hops if hop.boundary is None}
         return routes
 
-    async def _route(self, avoid: set[str]) -> list[Hop] | None:
-        """The hops of a new route avoiding ``avoid`` if possible; None (after a pause) if the swarm has none."""
+    async def _route(self, avoid: set[str], barred: set[str]) -> list[Hop] | None:
+        """The hops of a new route avoiding ``avoid`` if possible and ``barred`` always; None (after a pause) if the
+        swarm has none."""
         view = self.views.view
-        barred = self._barred_verifiers(view)
         avoid = avoid | barred
         try:
             try:
@@ -495,22 +461,10 @@ class TrainerNode:
         return self._hops(route, view, avoid)
 
     def _hops(self, route: Route, view: SwarmView, avoid: set[str]) -> list[Hop]:
-        def alternates(candidates: list, chosen: str) -> list[str]:
-            others = [c.peer_id for c in candidates if c.peer_id != chosen and c.peer_id not in avoid]
-            fresh = [p for p in others if p not in self.blacklist]
-            return self.route_rng.sample(fresh, min(MAX_ALTERNATES, len(fresh)))
-
-        hops = []
-        for k, stage in enumerate(route.stages):
-            hops.append(Hop(peer_id=stage.peer_id, alternates=alternates(view.live_replicas(k), stage.peer_id)))
-            if k < len(route.verifiers):
-                verifier = route.verifiers[k].peer_id
-                hops.append(Hop(peer_id=verifier, boundary=k, alternates=alternates(view.live_verifiers(k), verifier)))
-        return hops
-
-    def _barred_verifiers(self, view: SwarmView) -> set[str]:
-        only = self.settings.mode(self.step)[0]
-        return set(view.verifiers) - set(only) if only else set()
+        return [
+            Hop(peer_id=hop.peer_id, boundary=hop.boundary, alternates=list(hop.alternates))
+            for hop in expand(route, view, self.route_rng, self.blacklist, avoid)
+        ]
 
     def _resume_step(self) -> int:
         """Where this trainer's step count starts: stages apply each global step once, so a trainer that joins a
@@ -519,7 +473,7 @@ class TrainerNode:
         if self.settings.start_step is not None:
             return self.settings.start_step
         view = self.views.view
-        others = [a.global_step for a in view.trainers.values() if a.peer_id != self.context.peer_id]
+        others = [a.global_step for a in view.trainers.values() if a.peer_id != self.peer_id]
         stages = [a.last_step + 1 for k in range(view.n_stages) for a in view.live_replicas(k)]
         return max(others + stages, default=0)
 
@@ -561,7 +515,7 @@ class TrainerNode:
             view = await self.views.refresh(force=True)
             health = view.health()
             # stages admit only trainers they can read in the DHT: wait until ours is there too
-            if health.ok and self.context.peer_id in view.trainers:
+            if health.ok and self.peer_id in view.trainers:
                 return
             if time.monotonic() > deadline:
                 raise NodeError(
@@ -590,16 +544,12 @@ class TrainerNode:
         except OSError as e:
             logger.warning(f"cannot write metrics to {self.settings.metrics_out}: {e}")
 
-    def _write_status(self) -> None:
-        write_status(
-            self.settings.status_file,
-            {
-                "role": "trainer",
-                "peer_id": self.context.peer_id,
-                "step": self.step,
-                "accounting": self.accounting.as_dict(),
-                "val_curve": self.val_curve,
-                "time": time.time(),
-                **view_summary(self.views.view),
-            },
+    def status(self) -> TrainerStatus:
+        return TrainerStatus(
+            peer_id=self.peer_id,
+            step=self.step,
+            accounting=AccountingStatus(**self.accounting.as_dict()),
+            val_curve=self.val_curve,
+            time=time.time(),
+            **NodeStatus.view_fields(self.views.view),
         )

@@ -29,47 +29,27 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time, get_logger
 
-from dht import Announcer, RecordError, RecordStore, StrikeRecord, VerifierAnnouncement
+from dht import RecordError, RecordStore, StrikeRecord, VerifierAnnouncement
 from peers import LivenessBlacklist
-from sentinel_node.config import Config
 from sentinel_node.pipeline import BoundaryVerifier
+from sentinel_node.roles.calls import call_hop
 from sentinel_node.roles.common import JoinOptions, NodeError, software_version
-from sentinel_node.roles.metrics import Sample, serve_metrics
-from sentinel_node.roles.runtime import (
-    STAGE_FORWARD,
-    VERIFIER_RELAY,
-    ComputeLane,
-    Gatekeeper,
-    NodeContext,
-    PipelineRequest,
-    Shapes,
-    ViewKeeper,
-    bounded,
-    note_failures,
-    order_candidates,
-    periodically,
-    pipeline_node,
-    reachability,
-    replicate_p2p,
-    stage_of,
-    transport_settings,
-    view_summary,
-    wait_for_stop,
-    write_status,
-)
+from sentinel_node.roles.compute import ComputeLane
+from sentinel_node.roles.metrics import Sample
+from sentinel_node.roles.node import Node, NodeContext, started_node
+from sentinel_node.roles.status import NodeStatus, ReachabilityStatus, SenderCounts, VerifierStatus
+from sentinel_node.roles.views import Gatekeeper, stage_of
+from sentinel_node.roles.wire import STAGE_FORWARD, VERIFIER_RELAY, PipelineRequest, Shapes
 from sentinel_node.transport import (
     Answer,
     HopBanned,
-    HopError,
     HopMalformed,
     HopRefused,
     Incoming,
     MicrobatchReply,
     TensorServer,
-    call_first_available,
     check_tensors,
 )
 from sentinel_node.verification import Verdict
@@ -115,7 +95,7 @@ class CheckStats:
     def flags(self) -> dict[str, int]:
         return self.per_direction(1)
 
-    def as_dict(self) -> dict:
+    def status_fields(self) -> dict:
         checked = sum(self.checks.values())
         return {
             "checks": dict(self.checks),
@@ -150,7 +130,7 @@ def run_verifier(
     checker = BoundaryVerifier(
         config.verification, boundaries, shapes.hidden, shapes.activation, config.swarm.seed, enabled=settings.verify
     )
-    with pipeline_node(options, stop_event) as context:
+    with started_node(options, stop_event) as context:
         asyncio.run(VerifierNode(context, settings, boundaries, checker).serve(on_ready))
 
 
@@ -202,78 +182,50 @@ class StrikePublisher:
             logger.warning(f"publishing a strike record failed ({type(e).__name__}: {e})")
 
 
-class VerifierNode:
+class VerifierNode(Node):
     """The serving side of one verifier."""
+
+    role = "verifier"
 
     def __init__(
         self, context: NodeContext, settings: VerifierOptions, boundaries: Sequence[int], checker: BoundaryVerifier
     ) -> None:
-        self.context, self.settings, self.checker = context, settings, checker
-        self.config: Config = context.config
+        super().__init__(context, settings.status_file)
+        self.settings, self.checker = settings, checker
         self.boundaries = tuple(boundaries)
         self.shapes = Shapes.of(self.config)
-        self.transport = transport_settings(self.config)
         self.lane = ComputeLane("verifier")
-        self.views = ViewKeeper(context)
         self.gate = Gatekeeper(self.views)
         self.blacklist = LivenessBlacklist()
         self.stats = CheckStats()
         self.publisher = StrikePublisher(context.store, self.config.swarm.strike_ttl)
         self._published: dict[str, tuple[int, int, bool]] = {}
         self._strikes_given: dict[str, int] = {}  # each sender's strike count after its last check
-        self.reachability = None
-        self.p2p: P2P | None = None
 
-    async def serve(self, on_ready: Callable[[str, list[str]], None]) -> None:
-        context = self.context
-        # first: a taken port fails the start at once
-        metrics = serve_metrics(context, "verifier", self._samples, view=lambda: self.views.view)
-        self.p2p = await replicate_p2p(context)
-        server = TensorServer(self.p2p, self.transport)
+    # --- lifecycle hooks
+
+    async def add_handlers(self, server: TensorServer) -> None:
         # Tensors reach the handler unchecked (no expect, NaN allowed) so the verification core sees every
         # malformed activation and strikes its sender; the handler checks the targets itself.
         await server.add_handler(
             VERIFIER_RELAY, self._relay, PipelineRequest, authorize=self._admit, require_finite=False
         )
-        self.reachability = await reachability(context, self.p2p, server)
-        announcement = VerifierAnnouncement(
-            peer_id=context.peer_id,
-            maddrs=context.maddrs,
-            state="online",
-            relayed=self.reachability.relayed,
-            throughput=0.0,
-            boundaries=list(self.boundaries),
-            config_hash=self.config.swarm_hash(),
-            version=software_version(),
-            time=get_dht_time(),
-        )
-        announcer = Announcer(
-            context.store, announcement, self.config.swarm.announce_period, self.config.swarm.announce_ttl
-        ).start()
-        background = [
-            asyncio.create_task(self.views.run()),
-            asyncio.create_task(periodically(self.config.swarm.announce_period, self._write_status)),
-        ]
+
+    def announcement(self) -> VerifierAnnouncement:
+        return self.announced(VerifierAnnouncement, boundaries=list(self.boundaries))
+
+    def ready_line(self) -> str:
         mode = "verifying" if self.checker.enabled else "relaying without checks"
         names = ", ".join(f"{b}|{b + 1}" for b in self.boundaries)
-        logger.info(f"verifier {context.peer_id} {mode} on boundaries {names}")
-        on_ready(context.peer_id, context.maddrs)
-        try:
-            await wait_for_stop(context)
-        finally:
-            for task in background:
-                task.cancel()
-            if context.dht.is_alive():  # else p2pd died with it: nothing to remove
-                await bounded(server.remove_handlers(), 5, "removing the handlers")
-            announcer.stop(offline=context.dht.is_alive())
-            self.publisher.stop()
-            self._write_status()
-            self.lane.close()
-            if metrics is not None:
-                metrics.stop()
-            await bounded(self.p2p.shutdown(), 5, "closing the libp2p handle")
+        return f"verifier {self.peer_id} {mode} on boundaries {names}"
 
-    def _samples(self) -> list[Sample]:
+    async def finish(self) -> None:
+        await asyncio.to_thread(self.publisher.stop)
+
+    def close(self) -> None:
+        self.lane.close()
+
+    def samples(self) -> list[Sample]:
         stats = self.stats
         samples = [
             Sample("sentinel_microbatches", stats.relayed, ("relayed",)),
@@ -289,26 +241,22 @@ class VerifierNode:
                 samples.append(Sample("sentinel_strikes_issued", strikes, labels))
         return samples
 
-    def _write_status(self) -> None:
-        ledger = {
-            sender: {"strikes": r.strikes, "checks": r.checks, "flags": r.flags, "banned": r.banned}
-            for sender, r in self.checker.ledger.senders.items()
-        }
-        write_status(
-            self.settings.status_file,
-            {
-                "role": "verifier",
-                "peer_id": self.context.peer_id,
-                "boundaries": list(self.boundaries),
-                "verify": self.checker.enabled,
-                "ledger": ledger,
-                "banned": sorted(self.checker.ledger.banned()),
-                "published": self.publisher.published,
-                "reachability": self.reachability.as_dict() if self.reachability else None,
-                "time": time.time(),
-                **self.stats.as_dict(),
-                **view_summary(self.views.view),
+    def status(self) -> VerifierStatus:
+        reach = self.reachability
+        return VerifierStatus(
+            peer_id=self.peer_id,
+            boundaries=list(self.boundaries),
+            verify=self.checker.enabled,
+            ledger={
+                sender: SenderCounts(strikes=r.strikes, checks=r.checks, flags=r.flags, banned=r.banned)
+                for sender, r in self.checker.ledger.senders.items()
             },
+            banned=sorted(self.checker.ledger.banned()),
+            published=self.publisher.published,
+            reachability=None if reach is None else ReachabilityStatus(**reach.as_dict()),
+            time=time.time(),
+            **self.stats.status_fields(),
+            **NodeStatus.view_fields(self.views.view),
         )
 
     # --- who may call
@@ -355,17 +303,18 @@ class VerifierNode:
         hop, next_meta = meta.advance()
         if verdict.flagged:
             next_meta = next_meta.tainted(boundary)
-        candidates = order_candidates(hop, self.views.view, self.blacklist, skip=self.checker.is_banned)
-        if not candidates:
-            raise HopRefused(f"every stage {boundary + 1} replica the route names is banned or excluded")
-        try:
-            reply = await call_first_available(
-                self.p2p, candidates, STAGE_FORWARD, [verdict.tensor, targets], next_meta, settings=self.transport
-            )
-        except HopError as e:
-            note_failures(self.blacklist, e.failures or [e])
-            raise
-        note_failures(self.blacklist, reply.failures)
+        reply = await call_hop(
+            self.p2p,
+            hop,
+            self.views.view,
+            self.blacklist,
+            STAGE_FORWARD,
+            [verdict.tensor, targets],
+            next_meta,
+            self.transport,
+            nobody=f"every stage {boundary + 1} replica the route names is banned or excluded",
+            skip=self.checker.is_banned,
+        )
         self.stats.relayed += 1
         taint = sorted({*next_meta.taint, *reply.metadata.taint})
         loss = reply.metadata.loss
@@ -427,7 +376,7 @@ class VerifierNode:
         metrics = {name: float(value) for name, value in verdict.scores.items() if math.isfinite(value)}
         self.publisher.submit(
             StrikeRecord(
-                verifier=self.context.peer_id,
+                verifier=self.peer_id,
                 accused=sender,
                 boundary=boundary,
                 direction=direction,

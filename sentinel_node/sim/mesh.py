@@ -10,7 +10,6 @@ verifier, as a swarm does with `trusted_verifiers` and a quorum of one).
 from __future__ import annotations
 
 import random
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -18,7 +17,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from sentinel_node.attacks import Attacker, AttackFn
+from sentinel_node.attacks import DIRECTIONS, Attacker, AttackFn, arm
 from sentinel_node.config import Config
 from sentinel_node.model.corpus import Corpus, sample_batch, validation_batches
 from sentinel_node.pipeline import BoundaryVerifier, StageWorker
@@ -26,7 +25,6 @@ from sentinel_node.sim.stats import DetectionStats
 from sentinel_node.verification import Verdict
 
 Target = Literal["activation", "gradient", "both"]
-DIRECTIONS = ("activation", "gradient")
 
 
 @dataclass(frozen=True)
@@ -136,16 +134,15 @@ class Mesh:
             if (k == 0 and not sim.attack_first_stage) or (k == self.n_stages - 1 and not sim.attack_last_stage):
                 continue
             for worker in picker.sample(replicas, per_stage):
-                for direction in self.plan.directions():
-                    if (direction == "activation" and k == self.n_stages - 1) or (direction == "gradient" and k == 0):
-                        continue  # the last stage sends no activation, the first no gradient
-                    seed = zlib.crc32(f"{self.seed}:{worker.id}:{direction}".encode())
-                    worker.attackers[direction] = Attacker(
-                        self.plan.make(direction),
-                        start=sim.attack_start,
-                        probability=sim.attack_probability,
-                        seed=seed,
-                    )
+                worker.attackers = arm(
+                    self.plan.make,
+                    self.plan.target,
+                    k,
+                    self.n_stages,
+                    start=sim.attack_start,
+                    probability=sim.attack_probability,
+                    seed=f"{self.seed}:{worker.id}",
+                )
 
     @property
     def all_workers(self) -> list[SimWorker]:

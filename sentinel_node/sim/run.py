@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from sentinel_node.attacks import load_attack_file, make_attack
+from sentinel_node.attacks import attack_maker
 from sentinel_node.config import Config
 from sentinel_node.model import load_corpus
 from sentinel_node.sim.mesh import AttackPlan, Mesh
@@ -16,19 +16,11 @@ from sentinel_node.sim.report import step_line, summary, summary_text
 
 def attack_plan(config: Config, attack: str | None, attack_file: str | None, target: str) -> AttackPlan | None:
     """The plan for a catalogue attack or a red team's file; None for an honest run."""
-    if attack_file is not None:
-        name, fn = load_attack_file(attack_file)
-        return AttackPlan(name, target, lambda direction: fn)
-    if attack is None:
+    if attack is None and attack_file is None:
         return None
-    make_attack(attack)  # an unknown name fails here, with the catalogue listed
-
-    def make(direction: str):
-        if attack == "adaptive":
-            return make_attack(attack, settings=config.verification.monitor_settings(direction, config.swarm.seed))
-        return make_attack(attack)
-
-    return AttackPlan(attack, target, make)
+    seed = config.swarm.seed
+    name, make = attack_maker(attack, attack_file, lambda d: config.verification.monitor_settings(d, seed))
+    return AttackPlan(name, target, make)
 
 
 def simulate(

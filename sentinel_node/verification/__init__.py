@@ -24,7 +24,7 @@ from sentinel_node.verification.drift import DriftTest
 from sentinel_node.verification.metrics import METRICS
 from sentinel_node.verification.monitor import REPLACEMENTS, BoundaryMonitor, MonitorSettings, Verdict, VerdictKind
 from sentinel_node.verification.profile import Profile, Profiler
-from sentinel_node.verification.strikes import SenderRecord, StrikeLedger
+from sentinel_node.verification.strikes import SenderRecord, SenderStrikes
 from sentinel_node.verification.thresholds import AdaptiveThreshold
 
 __all__ = [
@@ -38,7 +38,7 @@ __all__ = [
     "Profile",
     "Profiler",
     "SenderRecord",
-    "StrikeLedger",
+    "SenderStrikes",
     "Verdict",
     "VerdictKind",
 ]

@@ -1,4 +1,4 @@
-"""One boundary, one direction: check every tensor that crosses it (DESIGN.md section 3, steps 1-7)."""
+"""One boundary, one direction: check every tensor that crosses it (docs/architecture.md section 3)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from sentinel_node.verification.drift import DriftTest
 from sentinel_node.verification.metrics import METRICS
 from sentinel_node.verification.profile import Profiler
 from sentinel_node.verification.shift import BoundaryShift
-from sentinel_node.verification.strikes import SenderRecord, StrikeLedger
+from sentinel_node.verification.strikes import SenderRecord, SenderStrikes
 from sentinel_node.verification.thresholds import AdaptiveThreshold
 
 REPLACEMENTS = ("ema", "zero", "drop")
@@ -122,7 +122,7 @@ class BoundaryMonitor:
         hidden_size: int,
         expected_shape: tuple[int, ...] | None = None,
         dtype: torch.dtype = torch.float32,
-        ledger: StrikeLedger | None = None,
+        ledger: SenderStrikes | None = None,
     ):
         if settings.replacement not in REPLACEMENTS:
             raise ValueError(f"replacement must be one of {REPLACEMENTS}, not {settings.replacement!r}")
@@ -144,7 +144,7 @@ class BoundaryMonitor:
         }
         self.drift = DriftTest(settings.drift_window, settings.drift_limit)
         self.shift = BoundaryShift(settings.shift_window)
-        self.ledger = ledger if ledger is not None else StrikeLedger(settings.strike_limit, settings.forgive_after)
+        self.ledger = ledger if ledger is not None else SenderStrikes(settings.strike_limit, settings.forgive_after)
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.accepted = 0
 

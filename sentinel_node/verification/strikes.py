@@ -14,7 +14,7 @@ class SenderRecord:
     banned: bool = False
 
 
-class StrikeLedger:
+class SenderStrikes:
     """A flag adds a strike, `forgive_after` clean checks in a row remove one, `strike_limit` strikes ban.
 
     A ban is final for this ledger: a banned sender is not forgiven by later clean checks.

@@ -1,4 +1,4 @@
-"""``sentinel-node swarm ...``: read the swarm from the DHT as a client-only peer and render it.
+"""What ``sentinel-node swarm ...`` shows: the swarm read from the DHT as a client-only peer, as JSON or tables.
 
 Reading never hangs: starting the DHT and every read share one deadline, and an unreachable swarm is reported as
 a :class:`~sentinel_node.roles.common.NodeStartError` naming the addresses tried.
@@ -11,16 +11,11 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 
 from dht import Announcement, DHTUnavailable, StrikeRecord, ephemeral_identity
-from peers import ExclusionParams, ExclusionPolicy, SwarmView, SwarmWatcher
+from peers import ExclusionPolicy, SwarmView, SwarmWatcher
 from sentinel_node.config import Config
 from sentinel_node.roles.common import NodeStartError, record_store, start_dht, stop_dht
 
 SECTIONS = ("status", "peers", "strikes", "bans")
-
-
-def exclusion_policy(config: Config) -> ExclusionPolicy:
-    swarm = config.swarm
-    return ExclusionPolicy(ExclusionParams(tuple(swarm.trusted_verifiers), swarm.ban_quorum))
 
 
 def read_swarm(config: Config, initial_peers: Sequence[str], timeout: float) -> SwarmView:
@@ -32,7 +27,7 @@ def read_swarm(config: Config, initial_peers: Sequence[str], timeout: float) -> 
     dht = start_dht(config, identity, initial_peers=initial_peers, client_mode=True, timeout=timeout)
     try:
         store = record_store(dht, config, identity=None, timeout=max(0.5, deadline - time.monotonic()))
-        watcher = SwarmWatcher(store, config.pipeline.n_stages, exclusion_policy(config))
+        watcher = SwarmWatcher(store, config.pipeline.n_stages, config.swarm.exclusion_policy())
         try:
             return watcher.refresh()
         except DHTUnavailable as e:
@@ -54,7 +49,7 @@ def _strike(policy: ExclusionPolicy, record: StrikeRecord) -> dict:
 
 def to_json(view: SwarmView, config: Config, section: str = "status") -> dict:
     """The ``section`` of ``view`` as plain JSON-ready data; ``status`` holds everything."""
-    policy = exclusion_policy(config)
+    policy = config.swarm.exclusion_policy()
     health = view.health()
     parts = {
         "peers": [_announcement(view, a) for a in view.announcements()],
@@ -176,7 +171,7 @@ def render_peers(view: SwarmView, config: Config) -> str:
 
 
 def render_strikes(view: SwarmView, config: Config) -> str:
-    policy = exclusion_policy(config)
+    policy = config.swarm.exclusion_policy()
     rows = [
         [
             r.accused,

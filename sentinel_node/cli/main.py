@@ -1,0 +1,180 @@
+"""The `sentinel-node` command: parse, build a config, call. No logic lives here."""
+
+from __future__ import annotations
+
+import click
+
+from sentinel_node.cli.join import join
+from sentinel_node.cli.options import config_option, load
+from sentinel_node.cli.swarm import swarm
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="sentinel-node")
+def main() -> None:
+    """sentinel-node: pipeline-parallel LLM training across untrusted volunteers, kept honest by SENTINEL."""
+
+
+main.add_command(join)
+main.add_command(swarm)
+
+
+# --- demo: a whole swarm on this machine -----------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--steps", type=click.IntRange(min=1), default=40, show_default=True, help="Global steps to train.")
+@click.option(
+    "--attack", default="random", show_default=True, help="The attacker's attack (from the catalogue); 'none': none."
+)
+@click.option(
+    "--attack-start", type=click.IntRange(min=0), default=14, show_default=True, help="Step the attacker starts at."
+)
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Default: configs/demo.yaml.")
+@click.option("--workdir", type=click.Path(file_okay=False), help="Keep logs and status files here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the summary, as one JSON object.")
+def demo(steps: int, attack: str, attack_start: int, config_path: str | None, workdir: str | None, as_json: bool):
+    """Train the tiny model with a local swarm (bootstrap, 3 stages x 2 replicas, 2 verifiers, a trainer) in
+    which one replica of the middle stage attacks; show it struck and excluded while the loss keeps falling."""
+    from pathlib import Path
+
+    from sentinel_node.demo import DEMO_CONFIG_PATH, DemoSettings, SwarmStartError, render_summary, run_demo
+
+    load(config_path)  # a bad --config fails here, before any process starts
+    settings = DemoSettings(
+        steps=steps,
+        attack=None if attack == "none" else attack,
+        attack_start=attack_start,
+        config_path=Path(config_path) if config_path else DEMO_CONFIG_PATH,
+        workdir=Path(workdir) if workdir else None,
+    )
+    try:
+        result = run_demo(settings, echo=(lambda _: None) if as_json else click.echo)
+    except SwarmStartError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(result.summary.model_dump_json())
+    else:
+        click.echo(render_summary(result.summary))
+
+
+# --- simulate and bench: the in-process mesh and the measured figures ----------------------------------------------
+
+
+def _attack_choice():
+    from sentinel_node.attacks import CATALOGUE
+
+    return click.Choice(sorted(CATALOGUE))
+
+
+@main.command()
+@config_option
+@click.option("--attack", type=_attack_choice(), help="Attack the malicious replicas run (default: none).")
+@click.option("--attack-file", help="A red team's own attack: PATH.py:NAME, a function (tensor, step, state).")
+@click.option(
+    "--target", type=click.Choice(["activation", "gradient", "both"]), default="activation", show_default=True
+)
+@click.option("--steps", type=click.IntRange(min=1), help="Global steps (default: the config's sim.steps).")
+@click.option("--attack-start", type=click.IntRange(min=0), help="Step the attackers start at.")
+@click.option("--no-verify", is_flag=True, help="Run without SENTINEL (verifiers relay only).")
+@click.option("--data", type=click.Path(file_okay=False), help="A folder of your own text files to train on.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+def simulate(config_path, attack, attack_file, target, steps, attack_start, no_verify, data, as_json) -> None:
+    """Train a DP x PP mesh in this process, with SENTINEL verifiers and attacking replicas, and show it live."""
+    import json
+
+    from sentinel_node.attacks import AttackError
+    from sentinel_node.sim.run import simulate as run_simulation
+
+    config = load(config_path)
+    sim = {k: v for k, v in {"steps": steps, "attack_start": attack_start}.items() if v is not None}
+    overrides = {"sim": sim, **({"data": {"path": data}} if data else {})}
+    try:
+        result = run_simulation(
+            config.with_overrides(**overrides),
+            attack=attack,
+            attack_file=attack_file,
+            target=target,
+            verify=not no_verify,
+            on_line=None if as_json else click.echo,
+        )
+    except (AttackError, FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(result, indent=2) if as_json else result["text"])
+
+
+@main.group()
+def bench() -> None:
+    """Measured figures: detection (the attack catalogue in the simulator), overhead (a local swarm)."""
+
+
+@bench.command()
+@config_option
+@click.option("--quick", is_flag=True, help="The profile that finishes within 5 minutes on 2 cores.")
+@click.option("--attack", "attacks", multiple=True, type=_attack_choice(), help="Only this attack (repeatable).")
+@click.option("--attack-file", help="A red team's own attack, PATH.py:NAME; run on activations and on gradients.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@click.option("--out", type=click.Path(file_okay=False), default="runs/bench", show_default=True, help="PNGs, JSON.")
+@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="Runs in parallel.")
+def detection(config_path, quick, attacks, attack_file, as_json, out, workers) -> None:
+    """SENTINEL against every attack: worker-level F1, flag rates, time to ban, validation loss."""
+    import json
+    from pathlib import Path
+
+    from sentinel_node.attacks import AttackError
+    from sentinel_node.bench.detection import plot, run_detection, table
+
+    config = load(config_path)
+    try:
+        report = run_detection(
+            config,
+            profile="quick" if quick else "full",
+            attacks=list(attacks) or None,
+            attack_file=attack_file,
+            workers=workers,
+            progress=None if as_json else lambda line: click.echo(line, err=True),
+        )
+    except (AttackError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+    out_dir = Path(out)
+    plot(report, out_dir)
+    (out_dir / "detection.json").write_text(json.dumps(report, indent=2))
+    printable = {**report, "attacks": [{k: v for k, v in row.items() if k != "curves"} for row in report["attacks"]]}
+    click.echo(json.dumps(printable, indent=2) if as_json else table(report))
+    if not as_json:
+        click.echo(f"plots and detection.json in {out_dir}/")
+
+
+@bench.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Default: configs/demo.yaml.")
+@click.option(
+    "--steps", type=click.IntRange(min=6), default=33, show_default=True, help="Steps, cycling the three modes."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@click.option("--out", type=click.Path(file_okay=False), default="runs/bench", show_default=True, help="JSON here.")
+@click.option("--workdir", type=click.Path(file_okay=False), help="Keep the swarm's logs and status files here.")
+def overhead(config_path, steps, as_json, out, workdir) -> None:
+    """SENTINEL's cost on a local swarm: tokens/s verified vs plain relays vs duplicate computation, and the
+    verifier's CPU time per checked tensor against the forward pass that produced it."""
+    import json
+    from pathlib import Path
+
+    from sentinel_node.bench.overhead import OverheadSettings, run_overhead, table, write_report
+    from sentinel_node.demo import DEMO_CONFIG_PATH
+    from sentinel_node.roles.common import NodeError
+    from sentinel_node.supervisor import SwarmStartError
+
+    load(config_path)
+    settings = OverheadSettings(
+        steps=steps,
+        config_path=Path(config_path) if config_path else DEMO_CONFIG_PATH,
+        workdir=Path(workdir) if workdir else None,
+    )
+    try:
+        report = run_overhead(settings, echo=lambda line: click.echo(line, err=True))
+    except (SwarmStartError, NodeError) as e:
+        raise click.ClickException(str(e)) from None
+    path = write_report(report, Path(out))
+    click.echo(json.dumps(report, indent=2) if as_json else table(report))
+    if not as_json:
+        click.echo(f"{path} written")

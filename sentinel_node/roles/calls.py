@@ -1,0 +1,53 @@
+"""Calling the next hop of a microbatch's route, as stages and verifiers both do, and learning from failures."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from hivemind.p2p import P2P
+
+from peers import LivenessBlacklist, SwarmView, order_candidates
+from sentinel_node.transport import (
+    Hop,
+    HopError,
+    HopRefused,
+    MicrobatchMetadata,
+    Reply,
+    TransportSettings,
+    call_first_available,
+)
+
+
+def note_failures(blacklist: LivenessBlacklist, errors: Sequence[HopError]) -> None:
+    """Suspends the peers that failed to answer (not those that refused or were refused)."""
+    for error in errors:
+        if error.cause.unresponsive and error.culprit:
+            blacklist.register_failure(error.culprit)
+
+
+async def call_hop(
+    p2p: P2P,
+    hop: Hop,
+    view: SwarmView,
+    blacklist: LivenessBlacklist,
+    handler: str,
+    tensors: Sequence[torch.Tensor],
+    metadata: MicrobatchMetadata,
+    settings: TransportSettings,
+    *,
+    nobody: str,
+    skip: Callable[[str], bool] = lambda _: False,
+) -> Reply:
+    """Calls ``handler`` on the hop's chosen peer, or an alternate when that one fails before answering; peers that
+    failed to answer are suspended. HopRefused saying ``nobody`` when no candidate is left to call."""
+    candidates = order_candidates(hop.peer_id, hop.alternates, view, blacklist, skip)
+    if not candidates:
+        raise HopRefused(nobody)
+    try:
+        reply = await call_first_available(p2p, candidates, handler, tensors, metadata, settings=settings)
+    except HopError as e:
+        note_failures(blacklist, e.failures or [e])
+        raise
+    note_failures(blacklist, reply.failures)
+    return reply

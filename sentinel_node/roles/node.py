@@ -1,0 +1,275 @@
+"""The life of a node, written once for every role: start, serve, stop in one order.
+
+:func:`started_node` traps SIGTERM/SIGINT, loads the identity and starts the DHT (and its p2pd), and shuts them
+down however the node ends. A :class:`Node` then runs on it:
+
+1. its metrics server (first: a port already taken fails the start at once),
+2. a libp2p handle on the DHT's own daemon (so the peer id that answers is the one that signs the records),
+3. the role's own preparation (a stage syncs its state and measures its throughput),
+4. its handlers, and the reachability check with its initial peers (for roles that serve),
+5. its announcement, kept alive by an :class:`~dht.Announcer`, the swarm view refreshed in the background and the
+   role's own periodic tasks,
+6. the role's main coroutine (by default: until asked to stop, or until its DHT process dies),
+
+and then the teardown, always in this order: background tasks cancelled, the role stops taking work, handlers
+removed, a last ``offline`` announcement, the role's final work (a checkpoint, pending strike records), a final
+status file, the compute lane, metrics, the libp2p handle. Every step that talks to p2pd is bounded
+(:func:`bounded`): once p2pd is gone (a signal sent to the whole process group reaches it too), such a call never
+returns. A role subclasses :class:`Node` and keeps only its own handlers and logic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import hivemind
+from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time, get_logger
+
+from dht import Announcement, Announcer, Identity, RecordStore
+from sentinel_node.config import Config
+from sentinel_node.roles.common import (
+    JoinOptions,
+    NodeDiedError,
+    StopSignals,
+    node_identity,
+    peer_ids_of,
+    record_store,
+    software_version,
+    start_dht,
+    stop_dht,
+)
+from sentinel_node.roles.metrics import serve_metrics
+from sentinel_node.roles.reachability import Reachability, check_reachability, report, serve_reachability
+from sentinel_node.roles.status import NodeStatus, write_status
+from sentinel_node.roles.views import ViewKeeper
+from sentinel_node.roles.wire import transport_settings
+from sentinel_node.transport import TensorServer
+
+logger = get_logger(__name__)
+
+_HEALTH_CHECK_PERIOD = 1.0
+# The most a shutdown step that talks to p2pd may take.
+SHUTDOWN_STEP_S = 5.0
+
+
+@dataclass
+class NodeContext:
+    """A started node: its config, identity, DHT, record store and stop signal."""
+
+    config: Config
+    identity: Identity
+    dht: hivemind.DHT
+    store: RecordStore
+    stop: StopSignals
+    maddrs: list[str]
+    options: JoinOptions
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+
+@contextlib.contextmanager
+def started_node(options: JoinOptions, stop_event: threading.Event | None = None) -> Iterator[NodeContext]:
+    """Traps SIGTERM/SIGINT, loads the identity, starts the DHT; shuts the DHT (and its p2pd) down on exit."""
+    config = options.config
+    with StopSignals(stop_event) as stop, node_identity(options.identity_path) as (identity, fresh):
+        dht = start_dht(
+            config,
+            identity,
+            initial_peers=options.initial_peers,
+            host_maddrs=options.host_maddrs,
+            announce_maddrs=options.announce_maddrs,
+            check_identity=not fresh,
+            timeout=options.start_timeout,
+            use_relay=options.use_relay,
+            use_auto_relay=options.use_auto_relay,
+        )
+        try:
+            maddrs = [str(maddr) for maddr in dht.get_visible_maddrs()]
+            yield NodeContext(config, identity, dht, record_store(dht, config, identity), stop, maddrs, options)
+        finally:
+            stop_dht(dht)
+
+
+async def wait_for_stop(context: NodeContext, also: Callable[[], bool] = lambda: False) -> None:
+    """Returns when the node is asked to stop (or ``also()`` is true); NodeDiedError if its DHT process ends."""
+    next_check = time.monotonic() + _HEALTH_CHECK_PERIOD
+    while not context.stop.event.is_set() and not also():
+        await asyncio.sleep(0.1)
+        if time.monotonic() >= next_check:
+            next_check = time.monotonic() + _HEALTH_CHECK_PERIOD
+            if not context.dht.is_alive():
+                raise NodeDiedError("the DHT process ended unexpectedly; see the log above for its last words")
+
+
+async def periodically(period: float, fn: Callable[[], Awaitable[None] | None]) -> None:
+    """Calls ``fn`` every ``period`` seconds until cancelled; a failure is logged, not fatal."""
+    while True:
+        try:
+            result = fn()
+            if asyncio.iscoroutine(result):
+                await result
+        except Exception:
+            logger.warning("a periodic task failed", exc_info=True)
+        await asyncio.sleep(period)
+
+
+async def bounded(awaitable: Awaitable, seconds: float, what: str) -> None:
+    """Awaits a shutdown step for at most ``seconds``: once the node's ``p2pd`` is gone (a signal sent to the
+    whole process group reaches it too, e.g. Ctrl-C in a terminal), a libp2p call never returns."""
+    try:
+        await asyncio.wait_for(awaitable, seconds)
+    except asyncio.TimeoutError:
+        logger.warning(f"{what} did not finish within {seconds:.0f}s (is p2pd gone?); going on")
+    except Exception as e:
+        logger.debug(f"{what} failed: {type(e).__name__}: {e}")
+
+
+class Node:
+    """One role on a started node; :meth:`serve` runs the lifecycle above. Subclasses set :attr:`role` and
+    override the hooks they need; every hook has a do-nothing default."""
+
+    role: ClassVar[str]
+    serves: ClassVar[bool] = True  # registers handlers and answers reachability checks (a trainer only calls out)
+    keeps_view: ClassVar[bool] = True  # refreshes the swarm view in the background (a bootstrap does not need it)
+
+    def __init__(self, context: NodeContext, status_file: str | None = None) -> None:
+        self.context, self.config, self.status_file = context, context.config, status_file
+        self.transport = transport_settings(self.config)
+        self.views = ViewKeeper(context.store, self.config)
+        self.p2p: P2P | None = None
+        self.server: TensorServer | None = None
+        self.reachability: Reachability | None = None
+        self.announcer: Announcer | None = None
+
+    @property
+    def peer_id(self) -> str:
+        return self.context.peer_id
+
+    # --- hooks
+
+    async def prepare(self) -> None:
+        """Before the handlers are added and the node is announced (the libp2p handle exists)."""
+
+    async def add_handlers(self, server: TensorServer) -> None:
+        """Registers the role's handlers."""
+
+    def announcement(self) -> Announcement:
+        """The record that announces this node (see :meth:`announced`)."""
+        raise NotImplementedError
+
+    def background(self) -> list[Coroutine[Any, Any, None]]:
+        """The role's periodic tasks besides the view refresh (default: the status file every announce period)."""
+        if self.status_file is None:
+            return []
+        return [periodically(self.config.swarm.announce_period, self.write_status)]
+
+    def ready_line(self) -> str:
+        return f"{self.role} {self.peer_id} serving swarm {self.config.swarm.prefix}"
+
+    async def main(self) -> Any:
+        """What the node does once announced; its result is :meth:`serve`'s. Default: serve until asked to stop."""
+        await wait_for_stop(self.context)
+        received = self.context.stop.received
+        logger.info(f"{received.name if received else 'asked to stop'}: shutting down")
+
+    async def stopping(self) -> None:
+        """The role stops taking work (before its handlers are removed)."""
+
+    async def finish(self) -> None:
+        """The role's last work after it went offline (a checkpoint, pending records)."""
+
+    def close(self) -> None:
+        """Releases what the role holds (its compute lane)."""
+
+    def samples(self) -> list:
+        """The role's own Prometheus samples (:class:`~sentinel_node.roles.metrics.Sample`)."""
+        return []
+
+    def status(self) -> NodeStatus | None:
+        """The role's status file contents, or None for a role that writes none."""
+        return None
+
+    # --- shared by the roles
+
+    def announced(self, cls: type[Announcement], **fields) -> Announcement:
+        """An announcement of ``cls`` with the fields every announcement carries filled in."""
+        common = {
+            "peer_id": self.peer_id,
+            "maddrs": self.context.maddrs,
+            "state": "online",
+            "relayed": self.reachability.relayed if self.reachability is not None else False,
+            "throughput": 0.0,
+            "config_hash": self.config.swarm_hash(),
+            "version": software_version(),
+            "time": get_dht_time(),
+        }
+        return cls(**{**common, **fields})
+
+    def write_status(self) -> None:
+        status = self.status() if self.status_file is not None else None
+        if status is not None:
+            write_status(self.status_file, status)
+
+    async def serve(self, on_ready: Callable[[str, list[str]], None]) -> Any:
+        context = self.context
+        metrics = serve_metrics(
+            context, self.role, self.samples, view=(lambda: self.views.view) if self.keeps_view else None
+        )
+        tasks: list[asyncio.Task] = []
+        try:
+            self.p2p = await context.dht.replicate_p2p()
+            await self.prepare()
+            if self.serves:
+                self.server = TensorServer(self.p2p, self.transport)
+                await self.add_handlers(self.server)
+                self.reachability = await self._check_reachability()
+            swarm = self.config.swarm
+            self.announcer = Announcer(
+                context.store, self.announcement(), swarm.announce_period, swarm.announce_ttl
+            ).start()
+            if self.keeps_view:
+                tasks.append(asyncio.create_task(self.views.run()))
+            tasks += [asyncio.create_task(coroutine) for coroutine in self.background()]
+            logger.info(self.ready_line())
+            on_ready(context.peer_id, context.maddrs)
+            try:
+                return await self.main()
+            finally:
+                await self._teardown(tasks)
+        finally:
+            if metrics is not None:
+                metrics.stop()
+            if self.p2p is not None:
+                await bounded(self.p2p.shutdown(), SHUTDOWN_STEP_S, "closing the libp2p handle")
+
+    async def _check_reachability(self) -> Reachability:
+        """Answers other nodes' reachability checks from now on, and checks this node's own with its initial
+        peers."""
+        await serve_reachability(self.server)
+        peers = peer_ids_of(self.context.options.initial_peers)
+        result = await check_reachability(self.p2p, self.context.maddrs, peers, self.server.settings)
+        report(result, self.context.options.use_auto_relay)
+        return result
+
+    async def _teardown(self, tasks: list[asyncio.Task]) -> None:
+        for task in tasks:
+            task.cancel()
+        dht_alive = self.context.dht.is_alive()  # else p2pd died with it: nothing to remove or announce
+        try:
+            await self.stopping()
+            if self.server is not None and dht_alive:
+                await bounded(self.server.remove_handlers(), SHUTDOWN_STEP_S, "removing the handlers")
+            self.announcer.stop(offline=dht_alive)
+            await self.finish()
+            self.write_status()
+        finally:
+            self.close()

@@ -1,0 +1,110 @@
+"""A node's view of the swarm, kept fresh in the background, and who may call a handler, decided from it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from hivemind.utils import get_logger
+
+from dht import DHTUnavailable, RecordStore
+from peers import SwarmView, SwarmWatcher
+from sentinel_node.config import Config
+from sentinel_node.transport import HopBanned, HopRefused
+
+logger = get_logger(__name__)
+
+# A caller missing from the view is looked up again at most this often (an unknown peer must not flood the DHT).
+_FORCED_REFRESH_INTERVAL = 1.0
+
+
+class ViewKeeper:
+    """The node's swarm view, refreshed every ``period`` seconds in the background, and at once (rate-limited)
+    when a caller is not in it yet.
+
+    ``listeners`` are called (in the event loop) with each new view, e.g. to tell an averager whom to leave out.
+    """
+
+    def __init__(self, store: RecordStore, config: Config, period: float | None = None) -> None:
+        self.watcher = SwarmWatcher(store, config.pipeline.n_stages, config.swarm.exclusion_policy())
+        self.period = config.swarm.announce_period if period is None else period
+        self.listeners: list[Callable[[SwarmView], None]] = []
+        self._refreshing: asyncio.Task | None = None
+        self._last_refresh = 0.0
+
+    @property
+    def view(self) -> SwarmView:
+        return self.watcher.view
+
+    async def refresh(self, force: bool = False) -> SwarmView:
+        """A fresh view; without ``force``, or within the rate limit, the latest one (joining a refresh already
+        under way)."""
+        if self._refreshing is None:
+            recent = time.monotonic() - self._last_refresh < _FORCED_REFRESH_INTERVAL
+            if self._last_refresh and (not force or recent):
+                return self.view
+            self._refreshing = asyncio.create_task(self._refresh())
+        return await asyncio.shield(self._refreshing)
+
+    async def _refresh(self) -> SwarmView:
+        try:
+            view = await asyncio.to_thread(self.watcher.refresh)
+        except DHTUnavailable as e:
+            logger.debug(f"swarm view not refreshed: {e}")
+            view = self.view
+        finally:
+            self._last_refresh = time.monotonic()
+            self._refreshing = None
+        for listener in self.listeners:
+            try:
+                listener(view)
+            except Exception:
+                logger.warning("a swarm view listener failed", exc_info=True)
+        return view
+
+    async def run(self) -> None:
+        """Refreshes forever (cancel the task to stop)."""
+        while True:
+            if self._refreshing is None:
+                self._refreshing = asyncio.create_task(self._refresh())
+            await asyncio.shield(self._refreshing)
+            await asyncio.sleep(self.period)
+
+
+def live_trainer(view: SwarmView, peer: str) -> bool:
+    announcement = view.trainers.get(peer)
+    return announcement is not None and view.is_live(announcement)
+
+
+def live_verifier(view: SwarmView, peer: str, boundary: int) -> bool:
+    return any(v.peer_id == peer for v in view.live_verifiers(boundary))
+
+
+def stage_of(view: SwarmView, peer: str) -> int | None:
+    """The stage ``peer`` serves as a live replica, or None."""
+    for k in range(view.n_stages):
+        if any(a.peer_id == peer for a in view.live_replicas(k)):
+            return k
+    return None
+
+
+class Gatekeeper:
+    """Decides from the swarm view whether a caller may use a handler; raises a coded refusal when not."""
+
+    def __init__(self, views: ViewKeeper) -> None:
+        self.views = views
+
+    async def require(self, caller: str, allowed: Callable[[SwarmView], bool], what: str) -> SwarmView:
+        """The view in which ``allowed(view)`` held. HopBanned for an excluded caller; HopRefused, saying ``what``
+        the handler accepts, for any other caller it does not allow (after one refresh: it may have just joined)."""
+        view = self.views.view
+        for attempt in range(2):
+            if view.is_excluded(caller):
+                voters = ", ".join(view.excluded[caller].voters)
+                raise HopBanned(f"{caller} is excluded from the swarm (banned by {voters}); nothing accepted from it")
+            if allowed(view):
+                return view
+            if attempt == 0:
+                view = await self.views.refresh(force=True)
+        raise HopRefused(f"{what}; the caller {caller} is not one")

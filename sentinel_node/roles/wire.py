@@ -1,0 +1,71 @@
+"""The wire contract between the pipeline roles: handler names, the metadata of a microbatch's nested call and of a
+global step, and the tensor shapes every hop expects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pydantic import Field
+
+from sentinel_node.config import Config
+from sentinel_node.transport import MicrobatchMetadata, RequestMetadata, TensorSpec, TransportSettings, WireModel
+
+# Handler names on every node's libp2p daemon (the transport adds a ".stream" twin for each).
+STAGE_FORWARD = "sentinel.stage.forward"
+STAGE_STEP = "sentinel.stage.step"
+VERIFIER_RELAY = "sentinel.verifier.relay"
+
+
+class PipelineRequest(MicrobatchMetadata):
+    """One microbatch's nested call. ``route`` holds the hops after the callee; ``taint`` the boundaries whose
+    tensor a verifier replaced on the way forward. ``train=False`` is a validation pass: forward and loss only."""
+
+    train: bool = True
+
+
+class StepRequest(RequestMetadata):
+    """The trainer's global step ``step`` is complete: apply the gradients accumulated for it."""
+
+    step: int = Field(ge=0)
+
+
+class StepReply(WireModel):
+    stepped: bool
+    microbatches: int = Field(ge=0)
+    averaging: bool = False
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The fixed tensor shapes of this swarm's microbatches."""
+
+    batch: int
+    seq_len: int
+    hidden: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config: Config) -> Shapes:
+        pipe = config.pipeline
+        return cls(pipe.microbatch_size, pipe.seq_len, config.model.hidden_size, config.model.vocab_size)
+
+    @property
+    def activation(self) -> tuple[int, int, int]:
+        return (self.batch, self.seq_len, self.hidden)
+
+    @property
+    def tokens(self) -> TensorSpec:
+        return TensorSpec((self.batch, self.seq_len), torch.int64)
+
+    @property
+    def hidden_spec(self) -> TensorSpec:
+        return TensorSpec(self.activation, torch.float32)
+
+    @property
+    def tokens_per_microbatch(self) -> int:
+        return self.batch * self.seq_len
+
+
+def transport_settings(config: Config) -> TransportSettings:
+    return TransportSettings(compression=config.pipeline.compression, max_tensor_mib=config.pipeline.max_tensor_mib)
