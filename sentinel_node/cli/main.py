@@ -41,6 +41,12 @@ def demo(steps: int, attack: str, attack_start: int, config_path: str | None, wo
     from sentinel_node.demo import DEMO_CONFIG_PATH, DemoSettings, SwarmStartError, render_summary, run_demo
 
     load(config_path)  # a bad --config fails here, before any process starts
+    if attack != "none" and attack_start >= steps:
+        raise click.BadParameter(
+            f"the attacker would start at step {attack_start} but the demo trains steps 0..{steps - 1}: nothing "
+            "would be attacked; lower --attack-start or raise --steps (or pass --attack none)",
+            param_hint="--attack-start",
+        )
     settings = DemoSettings(
         steps=steps,
         attack=None if attack == "none" else attack,

@@ -14,6 +14,7 @@ excluded peer could be there); excluded peers are refused a download in turn.
 """
 
 import asyncio
+import logging
 from collections.abc import Callable, Iterable, Sequence
 
 # hivemind's ServicerBase recognises a streaming handler only by typing.AsyncIterator (collections.abc's generic
@@ -24,6 +25,7 @@ import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import deserialize_tensor_stream
 from hivemind.p2p import P2PContext, PeerID
@@ -33,6 +35,31 @@ from hivemind.utils import MPFuture, get_logger
 StateProvider = Callable[[], tuple[Any, Sequence[torch.Tensor]]]
 
 logger = get_logger(__name__)
+
+# Rounds fail as a matter of course when replicas come and go or a peer is excluded; hivemind's averager logs
+# each such failure with a whole traceback.
+EXPECTED_FAILURES = (AllreduceException, MatchmakingException, asyncio.TimeoutError, TimeoutError)
+
+
+class OneLineRoundFailures(logging.Filter):
+    """Turns hivemind's traceback for an averaging round that failed in an expected way into one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], EXPECTED_FAILURES):
+            error = record.exc_info[1]
+            record.msg, record.args = f"averaging round failed: {type(error).__name__}: {error}", ()
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def quiet_round_failures() -> None:
+    """Installs :class:`OneLineRoundFailures` on hivemind's averaging loggers (before the averager forks, so its
+    process inherits the filter)."""
+    for name in ("hivemind.averaging.averager", "hivemind.averaging.matchmaking", "hivemind.averaging.allreduce"):
+        target = logging.getLogger(name)
+        if not any(isinstance(f, OneLineRoundFailures) for f in target.filters):
+            target.addFilter(OneLineRoundFailures())
 
 
 class ExcludingAverager(DecentralizedAverager):
@@ -138,6 +165,7 @@ class ReplicaAverager:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.timeout = timeout
         buffers = [p.detach().clone() for p in self.params]
+        quiet_round_failures()
         self.averager = ExcludingAverager(
             buffers,
             dht,

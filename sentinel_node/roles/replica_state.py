@@ -128,7 +128,8 @@ class ReplicaState:
             peers = await sources()
             if not peers:
                 if attempt == 0:
-                    logger.info(f"stage {self.stage}: no other live replica; starting at step {self.step}")
+                    where = "fresh (no step applied yet)" if self.step < 0 else f"from step {self.step}"
+                    logger.info(f"stage {self.stage}: no other live replica; starting {where}")
                     return
                 break
             for peer in peers:

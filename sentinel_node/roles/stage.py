@@ -497,8 +497,12 @@ class StageNode(Node):
             if group is not None:
                 self._averaged = snapshot  # applied with the next step
                 self.averaged_with = group
-                logger.info(f"stage {self.stage}: averaged parameters at step {step} with {len(group) - 1} replicas")
-        except Exception:
-            logger.warning(f"stage {self.stage}: averaging at step {step} failed", exc_info=True)
+                others = len(group) - 1
+                logger.info(
+                    f"stage {self.stage}: averaged parameters at step {step} with {others} other "
+                    f"replica{'s' if others != 1 else ''}"
+                )
+        except Exception as e:
+            logger.warning(f"stage {self.stage}: averaging at step {step} failed: {type(e).__name__}: {e}")
         finally:
             self.averaging = None

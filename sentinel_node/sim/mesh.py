@@ -57,12 +57,17 @@ class SimWorker:
 
 @dataclass
 class StepLog:
+    """One global step (numbered from 0, as on the network). ``loss`` is None when no microbatch of the step got
+    through (verifiers dropped them all); ``dropped`` counts the step's dropped microbatches."""
+
     step: int
-    loss: float
+    loss: float | None
     val_loss: float | None
     flags: int
     strikes: int
     banned: list[str]
+    microbatches: int = 0
+    dropped: int = 0
 
 
 @dataclass
@@ -252,15 +257,17 @@ class Mesh:
                 val = self.validation_loss()
                 val_curve.append((step + 1, val))
             if on_step is not None:
-                on_step(self._step_log(step, train_losses[-1], val))
+                loss = float(np.mean(losses)) if losses else None
+                dropped = pipe.microbatches_per_step - len(losses)
+                on_step(self._step_log(step, loss, val, pipe.microbatches_per_step, dropped))
         return self._result(val_curve, train_losses)
 
     def _ledgers(self):
         return [v.ledger for verifiers in self.verifiers for v in verifiers]
 
-    def _step_log(self, step: int, loss: float, val: float | None) -> StepLog:
+    def _step_log(self, step: int, loss: float | None, val: float | None, microbatches: int, dropped: int) -> StepLog:
         strikes = sum(rec.strikes for ledger in self._ledgers() for rec in ledger.senders.values())
-        return StepLog(step, loss, val, self.stats.flags, strikes, sorted(self.excluded))
+        return StepLog(step, loss, val, self.stats.flags, strikes, sorted(self.excluded), microbatches, dropped)
 
     def _result(self, val_curve, train_losses) -> SimResult:
         malicious = sorted(w.id for w in self.all_workers if w.malicious)

@@ -6,9 +6,14 @@ from sentinel_node.sim.mesh import SimResult, StepLog
 
 
 def step_line(log: StepLog) -> str:
+    """One line per step, numbered from 0 like the demo's and the network's global steps."""
     val = f"  val {log.val_loss:.3f}" if log.val_loss is not None else ""
     banned = f"  banned {', '.join(log.banned)}" if log.banned else ""
-    return f"step {log.step + 1:4d}  loss {log.loss:.3f}{val}  flags {log.flags:3d}  strikes {log.strikes:2d}{banned}"
+    if log.loss is None:
+        loss = f"dropped (verifiers dropped all {log.microbatches} microbatches)"
+    else:
+        loss = f"loss {log.loss:.3f}" + (f" ({log.dropped}/{log.microbatches} dropped)" if log.dropped else "")
+    return f"step {log.step:4d}  {loss}{val}  flags {log.flags:3d}  strikes {log.strikes:2d}{banned}"
 
 
 def summary(result: SimResult, wall_s: float) -> dict:
@@ -42,7 +47,7 @@ def summary_text(s: dict) -> str:
     for worker in s["malicious"]:
         ban = s["banned"].get(worker)
         lines.append(
-            f"attacker {worker}: banned at step {ban['step'] + 1}, {ban['microbatches_after_attack_start']} "
+            f"attacker {worker}: banned at step {ban['step']}, {ban['microbatches_after_attack_start']} "
             "microbatches after the attack started"
             if ban
             else f"attacker {worker}: NOT banned"

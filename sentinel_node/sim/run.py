@@ -33,6 +33,11 @@ def simulate(
 ) -> dict:
     """Trains the mesh; `on_line` receives a line per step. Returns the summary (with its text under "text")."""
     plan = attack_plan(config, attack, attack_file, target)
+    if plan is not None and config.sim.attack_start >= config.sim.steps:
+        raise ValueError(
+            f"the attack would start at step {config.sim.attack_start} but the run ends after {config.sim.steps} "
+            f"steps (0..{config.sim.steps - 1}): nothing would be attacked; lower --attack-start or raise --steps"
+        )
     corpus = load_corpus(config.data.path, config.data.val_fraction, config.data.max_bytes)
     torch.set_num_threads(1)  # tensors this small gain nothing from a second thread, and lose much on a busy machine
     started = time.monotonic()
