@@ -76,7 +76,7 @@ for variant in ("cuda", "cpu"):
         print(f"{prefix} compose: docker-compose {version} config: {', '.join(reserving)} reserve "
               f"driver={gpu[0]['driver']} count={gpu[0]['count']} capabilities={gpu[0]['capabilities']}; "
               f"{', '.join(plain)} reserve nothing")
-    print(f"{prefix} compose: VARIANT={'' if variant == 'cuda' else variant}: every service is image "
+    print(f"{prefix} compose: {'VARIANT unset' if variant == 'cuda' else 'VARIANT=cpu'}: every service is image "
           f"sentinel-node:{variant}, build args VARIANT={variant} BASE_IMAGE={defaults['BASE_IMAGE']}")
 sys.exit(not ok)
 EOF
@@ -122,7 +122,7 @@ ctr="$("${B[@]}" from --pull=never "$IMAGE_TAG")"
 run() { "${B[@]}" run --isolation chroot "$ctr" -- "$@"; }
 say "run id: $(run id -un):$(run id -gn), HOME=$(run sh -c 'echo $HOME'), data owned by $(run stat -c %U /data)"
 say "run sizes: $(run sh -c 'cd /opt/venv/lib/python3*/site-packages && du -sh nvidia torch triton bitsandbytes /opt/venv' |
-    awk '{printf "%s%s %s", NR > 1 ? ", " : "", $2, $1}')"
+    awk '{printf "%s%s %s", (NR > 1 ? ", " : ""), $2, $1}')"
 
 run python - <<'EOF' || fail "torch's CUDA build or bitsandbytes' CUDA binary is not as expected"
 import ctypes
@@ -208,17 +208,17 @@ chown "$(run id -u)" "$WORK/swarm"
 c=$SECONDS
 start_node "$IMAGE_TAG" bootstrap "${boot_argv[@]}"
 start_node "$IMAGE_TAG" stage0 "${stage_argv[@]}"
-fallback() { grep -m1 -- "--device auto: " "$WORK/stage0.err"; }
+fallback() { grep -m1 -- "--device auto: " "$WORK/stage0.err" 2>/dev/null; }
 wait_for 180 fallback >/dev/null || {
     node_log stage0
     fail "the compose stage0 logged no --device auto fallback"
 }
 say "stage fallback: $(fallback | sed 's/^.*\] //')"
-wait_for 120 grep -q " is up" "$WORK/stage0.out" || {
+wait_for 120 grep -q "^node .* is up" "$WORK/stage0.out" || {
     node_log stage0
     fail "the compose stage0 did not come up"
 }
-say "stage up ($((SECONDS - c))s): $(grep -m1 " is up" "$WORK/stage0.out")"
+say "stage up ($((SECONDS - c))s): $(grep -m1 -o "^node .* is up" "$WORK/stage0.out")"
 [ "$(grep -c -- "--device auto: " "$WORK/stage0.err")" = 1 ] || fail "the fallback was logged more than once"
 stop_nodes
 say "time run=$((SECONDS - t))s"

@@ -172,7 +172,7 @@ def test_auto_on_a_machine_without_a_gpu_says_so_in_one_line(no_cuda, monkeypatc
     lines = [r.getMessage() for r in caplog.records if "--device auto" in r.getMessage()]
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert lines[0].startswith("stage 1: --device auto: torch ") and why in lines[0] and fix in lines[0]
-    assert "computing on the CPU" in lines[0] and lines[0].endswith("(fp32, torch.AdamW)")
+    assert "computing on the CPU (fp32, torch.AdamW)" in lines[0] and "--device cpu makes it explicit" in lines[0]
 
 
 def test_cpu_fp32_forward_is_the_plain_module():

@@ -60,8 +60,9 @@ def is_auto(requested: str | torch.device | None) -> bool:
     return requested is None or (isinstance(requested, str) and requested.strip().lower() == "auto")
 
 
-def cpu_fallback_message() -> str:
-    """What a stage logs when ``--device auto`` found no CUDA device: why, and how to get the GPU.
+def cpu_fallback_message(compute: str) -> str:
+    """What a stage logs when ``--device auto`` found no CUDA device: why, how it computes instead (`compute`, e.g.
+    "fp32, torch.AdamW") and how to get the GPU.
 
     Two causes look alike from outside: a CPU-only torch build, and a CUDA build that sees no GPU (in a container:
     no ``--gpus all``, or no NVIDIA Container Toolkit on the host). The message names which one it is.
@@ -72,7 +73,9 @@ def cpu_fallback_message() -> str:
     else:
         why = f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
         fix = "run the container with --gpus all (the NVIDIA Container Toolkit on the host) or check nvidia-smi"
-    return f"--device auto: {why}; computing on the CPU. For the GPU, {fix}; --device cpu makes the CPU explicit"
+    return (
+        f"--device auto: {why}; computing on the CPU ({compute}). For the GPU, {fix}; --device cpu makes it explicit"
+    )
 
 
 def make_optimizer(

@@ -52,7 +52,7 @@ class StageWorker:
             )
         elif is_auto(device):
             # one line, so a volunteer who forgot --gpus all sees it in `docker logs` (README: Run it in Docker)
-            logger.info(f"stage {stage}: {cpu_fallback_message()} ({self.precision.name}, {self.optimizer_name})")
+            logger.info(f"stage {stage}: {cpu_fallback_message(f'{self.precision.name}, {self.optimizer_name}')}")
         self.max_pending = max_pending
         self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.accumulated = 0
