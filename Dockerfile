@@ -25,6 +25,8 @@
 #   WHEELS           a folder of wheels inside the build (e.g. `buildah bud --volume DIR:/wheels --build-arg
 #                    WHEELS=/wheels`): install from it alone, offline, instead of the package indexes.
 #   USER_UID         the user's uid; match your own to write to a bind-mounted /data.
+#   CA_BUNDLE        a CA certificate bundle inside the build that pip's downloads trust (behind a TLS-intercepting
+#                    proxy; scripts/image_cuda.sh mounts its machine's with `--volume` and passes this).
 # scripts/image_smoke.sh builds the cpu variant with buildah and runs it (tests/test_image.py); scripts/image_cuda.sh
 # (make image-cuda) builds the cuda variant on a debootstrapped Debian from PyPI and checks it on a machine without
 # a GPU.
@@ -39,6 +41,7 @@ ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 ARG BITSANDBYTES_VERSION=0.50.2
 ARG WHEELS=
 ARG USER_UID=1000
+ARG CA_BUNDLE=
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
@@ -60,6 +63,7 @@ RUN set -eu; \
 # torch first, from the index of the variant (or WHEELS), so the project's dependencies find it satisfied; an empty
 # index is pip's own (PyPI).
 RUN set -eu; \
+    if [ -n "$CA_BUNDLE" ]; then export PIP_CERT="$CA_BUNDLE"; fi; \
     case "$VARIANT" in \
         cuda) index="$TORCH_CUDA_INDEX" ;; \
         cpu) index="$TORCH_CPU_INDEX" ;; \
@@ -74,6 +78,7 @@ RUN set -eu; \
 # hivemind from its wheel only (it bundles the p2pd daemon).
 COPY pyproject.toml /opt/sentinel-node/pyproject.toml
 RUN set -eu; \
+    if [ -n "$CA_BUNDLE" ]; then export PIP_CERT="$CA_BUNDLE"; fi; \
     if [ -n "$WHEELS" ]; then source="--no-index --find-links $WHEELS"; else source=""; fi; \
     extras=""; if [ "$VARIANT" = cuda ]; then extras="gpu"; fi; \
     python -c 'import sys, tomllib; p = tomllib.load(open(sys.argv[1], "rb"))["project"]; \
@@ -87,6 +92,7 @@ print("\n".join(p["dependencies"] + [r for e in sys.argv[2:] for r in p["optiona
 # The project itself, editable (configs/ links to the package's own sentinel_node/configs/).
 COPY . /opt/sentinel-node
 RUN set -eu; \
+    if [ -n "$CA_BUNDLE" ]; then export PIP_CERT="$CA_BUNDLE"; fi; \
     if [ -n "$WHEELS" ]; then source="--no-index --find-links $WHEELS"; else source=""; fi; \
     pip install --no-cache-dir $source --no-deps -e /opt/sentinel-node; \
     python -m compileall -q /opt/sentinel-node/sentinel_node /opt/sentinel-node/peers /opt/sentinel-node/dht; \

@@ -20,7 +20,8 @@
 #   sudo scripts/image_cuda.sh       # about 15 minutes on 2 cores, most of it downloading and committing ~3 GB
 #
 # Environment: IMAGE_CUDA_WHEELS=DIR installs from a wheelhouse in DIR (e.g. one `pip download` made) instead of
-# PyPI; and those of scripts/image_lib.sh (DEBIAN_MIRROR, SMOKE_TMPDIR, SMOKE_KEEP=1).
+# PyPI; IMAGE_CA_BUNDLE (default /etc/ssl/certs/ca-certificates.crt, this machine's) is the CA bundle pip trusts
+# in the build; and those of scripts/image_lib.sh (DEBIAN_MIRROR, SMOKE_TMPDIR, SMOKE_KEEP=1).
 set -Eeuo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -88,20 +89,26 @@ start_work sentinel-image-cuda
 make_base "$BASE_TAG" ca-certificates
 
 # --- 3. the build: the Dockerfile's defaults, from PyPI (or IMAGE_CUDA_WHEELS) ---------------------------------------
-wheels_args=()
+build_args=()
 if [ -n "${IMAGE_CUDA_WHEELS:-}" ]; then
     wheels="$(cd "$IMAGE_CUDA_WHEELS" && pwd)"
-    wheels_args=(--volume "$wheels:/wheels:ro" --build-arg WHEELS=/wheels)
+    build_args=(--volume "$wheels:/wheels:ro" --build-arg WHEELS=/wheels)
     say "build installs from the wheelhouse $wheels ($(find "$wheels" -name '*.whl' | wc -l) wheels)"
 else
     say "build installs from PyPI"
+fi
+# pip in the build trusts what this machine trusts (its system CA bundle), for a network behind a TLS-intercepting
+# proxy; IMAGE_CA_BUNDLE names another bundle, IMAGE_CA_BUNDLE= none (pip's own certifi then)
+ca_bundle="${IMAGE_CA_BUNDLE-/etc/ssl/certs/ca-certificates.crt}"
+if [ -n "$ca_bundle" ] && [ -f "$ca_bundle" ]; then
+    build_args+=(--volume "$(readlink -f "$ca_bundle"):/etc/ssl/build-ca.crt:ro" --build-arg CA_BUNDLE=/etc/ssl/build-ca.crt)
 fi
 t=$SECONDS
 stamp() { # each line of the build's output, after the seconds since the build started
     local line
     while IFS= read -r line; do printf '%4d %s\n' "$((SECONDS - t))" "$line"; done
 }
-"${B[@]}" bud --isolation chroot --pull=never --layers=false --build-arg BASE_IMAGE="$BASE_TAG" "${wheels_args[@]}" \
+"${B[@]}" bud --isolation chroot --pull=never --layers=false --build-arg BASE_IMAGE="$BASE_TAG" "${build_args[@]}" \
     --tag "$IMAGE_TAG" --file "$REPO/Dockerfile" "$REPO" 2>&1 | stamp >"$WORK/build.log" || {
     tail -40 "$WORK/build.log"
     fail "buildah bud failed"
