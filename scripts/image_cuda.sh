@@ -41,6 +41,7 @@ started=$SECONDS
 compose_python="$(head -1 "$(command -v docker-compose)" | sed -n 's/^#! *//p')"
 [ -x "${compose_python%% *}" ] || compose_python=python3
 compose_version="$(docker-compose version --short)"
+t=$SECONDS
 compose_out="$(mktemp -d)"
 for variant in cuda cpu; do # the default, then the README's `VARIANT=cpu docker compose up`
     env -u BASE_IMAGE $([ "$variant" = cuda ] && echo -u VARIANT || echo VARIANT=cpu) \
@@ -82,6 +83,7 @@ for variant in ("cuda", "cpu"):
 sys.exit(not ok)
 EOF
 rm -rf "$compose_out"
+say "time compose=$((SECONDS - t))s"
 
 start_work sentinel-image-cuda
 
@@ -128,7 +130,8 @@ t=$SECONDS
 ctr="$("${B[@]}" from --pull=never "$IMAGE_TAG")"
 run() { "${B[@]}" run --isolation chroot "$ctr" -- "$@"; }
 say "run id: $(run id -un):$(run id -gn), HOME=$(run sh -c 'echo $HOME'), data owned by $(run stat -c %U /data)"
-say "run sizes: $(run sh -c 'cd /opt/venv/lib/python3*/site-packages && du -sh nvidia torch triton bitsandbytes /opt/venv' |
+say "run sizes: /opt/venv $(run du -sh /opt/venv | cut -f1), of which $(run sh -c \
+    'cd /opt/venv/lib/python3*/site-packages && du -sh nvidia torch triton bitsandbytes' |
     awk '{printf "%s%s %s", (NR > 1 ? ", " : ""), $2, $1}')"
 
 run python - <<'EOF' || fail "torch's CUDA build or bitsandbytes' CUDA binary is not as expected"
