@@ -52,7 +52,7 @@ image-smoke:
 # The cuda image (the Dockerfile's default), built from PyPI on a debootstrapped Debian and checked without a GPU:
 # docker-compose.yml's GPU reservations, torch's CUDA build and bundled runtime, bitsandbytes' CUDA binary, the
 # CLI, and a compose stage's `--device auto` fallback to the CPU (scripts/image_cuda.sh). Not part of `make test`:
-# it downloads ~3 GB of wheels and takes 10-15 minutes. Needs root, like image-smoke.
+# it downloads ~3 GB of wheels and took 24 minutes on 2 busy cores (README). Needs root, like image-smoke.
 image-cuda:
 	nice -n 10 scripts/image_cuda.sh
 

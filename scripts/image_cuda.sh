@@ -17,7 +17,7 @@
 # Lines starting with "CUDA " are the report; the last one is "CUDA OK ..." on success. Exit status: 0 passed,
 # 77 skipped (no buildah possible here: not root, no apt, no namespaces), anything else failed.
 #
-#   sudo scripts/image_cuda.sh       # about 15 minutes on 2 cores, most of it downloading and committing ~3 GB
+#   sudo scripts/image_cuda.sh       # 16-24 minutes on 2 busy cores, most of it pip and the commit of ~6 GB
 #
 # Environment: IMAGE_CUDA_WHEELS=DIR installs from a wheelhouse in DIR (e.g. one `pip download` made) instead of
 # PyPI; IMAGE_CA_BUNDLE (default /etc/ssl/certs/ca-certificates.crt, this machine's) is the CA bundle pip trusts
@@ -34,6 +34,7 @@ trap 'say "FAIL at line $LINENO: $BASH_COMMAND"' ERR
 
 need_buildah docker-compose
 started=$SECONDS
+start_work sentinel-image-cuda
 
 # --- 1. docker-compose.yml through docker-compose's own parser ------------------------------------------------------
 # `config` validates the file against the compose schema and prints it resolved (anchors merged, defaults filled in);
@@ -42,16 +43,16 @@ compose_python="$(head -1 "$(command -v docker-compose)" | sed -n 's/^#! *//p')"
 [ -x "${compose_python%% *}" ] || compose_python=python3
 compose_version="$(docker-compose version --short)"
 t=$SECONDS
-compose_out="$(mktemp -d)"
+compose_out="$WORK/compose"
+mkdir -p "$compose_out"
 for variant in cuda cpu; do # the default, then the README's `VARIANT=cpu docker compose up`
     env -u BASE_IMAGE $([ "$variant" = cuda ] && echo -u VARIANT || echo VARIANT=cpu) \
         docker-compose -f "$REPO/docker-compose.yml" config >"$compose_out/$variant.yml" 2>"$compose_out/err" || {
         cat "$compose_out/err"
-        rm -rf "$compose_out"
         fail "docker-compose $compose_version config rejects docker-compose.yml (VARIANT=$variant)"
     }
 done
-PREFIX=$PREFIX $compose_python - "$compose_out" "$REPO/Dockerfile" "$compose_version" <<'EOF' || fail "docker-compose.yml's GPU reservations or build arguments are not as documented"
+PREFIX=$PREFIX $compose_python - "$compose_out" "$REPO/Dockerfile" "$compose_version" <<'EOF' ||
 import os, re, sys, yaml
 folder, dockerfile, version = sys.argv[1:]
 prefix = os.environ["PREFIX"]
@@ -82,10 +83,8 @@ for variant in ("cuda", "cpu"):
           f"sentinel-node:{variant}, build args VARIANT={variant} BASE_IMAGE={defaults['BASE_IMAGE']}")
 sys.exit(not ok)
 EOF
-rm -rf "$compose_out"
+    fail "docker-compose.yml's GPU reservations or build arguments are not as documented"
 say "time compose=$((SECONDS - t))s"
-
-start_work sentinel-image-cuda
 
 # --- 2. the base: a debootstrapped Debian bookworm without Python, like debian:bookworm-slim -----------------------
 make_base "$BASE_TAG" ca-certificates
