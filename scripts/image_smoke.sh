@@ -23,94 +23,21 @@
 set -Eeuo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+PREFIX=SMOKE
 BASE_TAG=localhost/sentinel-smoke-base:bookworm
 IMAGE_TAG=localhost/sentinel-node:cpu-smoke
 TORCH_VERSION=2.13.0
-SKIP=77
-
-say() { echo "SMOKE $*"; }
+# shellcheck source=scripts/image_lib.sh
+source "$REPO/scripts/image_lib.sh"
 trap 'say "FAIL at line $LINENO: $BASH_COMMAND"' ERR
-skip() {
-    say "SKIP $*"
-    exit "$SKIP"
-}
-fail() {
-    say "FAIL $*"
-    exit 1
-}
 
 # --- 0. can this machine run buildah at all? ---------------------------------------------------------------------
-[ "$(id -u)" = 0 ] || skip "not root: debootstrap and buildah's chroot isolation need root"
-missing=()
-command -v buildah >/dev/null || missing+=(buildah)
-command -v debootstrap >/dev/null || missing+=(debootstrap)
-if [ "${#missing[@]}" -gt 0 ]; then
-    command -v apt-get >/dev/null || skip "${missing[*]} missing and no apt-get to install them"
-    say "installing ${missing[*]} with apt-get"
-    apt_started=$SECONDS
-    DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-    say "time apt=$((SECONDS - apt_started))s"
-fi
-unshare --mount --uts --ipc true 2>/dev/null || skip "cannot create mount namespaces here (an unprivileged container?)"
-
+need_buildah
 started=$SECONDS
-WORK="$(mktemp -d "${SMOKE_TMPDIR:-/var/tmp}/sentinel-image-smoke.XXXXXX")"
-export TMPDIR="$WORK/tmp" # buildah's own scratch files (layer diffs) stay in the work folder too
-mkdir -p "$TMPDIR"
-driver=vfs
-if grep -qw overlay /proc/filesystems 2>/dev/null || modprobe overlay 2>/dev/null; then driver=overlay; fi
-B=(buildah --root "$WORK/storage" --runroot "$WORK/run" --storage-driver "$driver")
-
-node_groups=() # process groups of the nodes started in the image (section 4)
-stop_nodes() {   # SIGTERM to each group (as Ctrl-C would), SIGKILL to what is left after 20 s
-    local group i
-    [ "${#node_groups[@]}" -gt 0 ] || return 0
-    for group in "${node_groups[@]}"; do kill -TERM -- "-$group" 2>/dev/null || true; done
-    for i in $(seq 20); do
-        for group in "${node_groups[@]}"; do kill -0 -- "-$group" 2>/dev/null && break; done || break
-        sleep 1
-    done
-    for group in "${node_groups[@]}"; do kill -KILL -- "-$group" 2>/dev/null || true; done
-    node_groups=()
-}
-
-cleanup() {
-    local rc=$?
-    set +e
-    stop_nodes
-    if [ "${SMOKE_KEEP:-0}" = 1 ]; then
-        say "kept $WORK: ${B[*]} images"
-        exit "$rc"
-    fi
-    "${B[@]}" rm --all >/dev/null 2>&1
-    "${B[@]}" rmi --all --force >/dev/null 2>&1
-    # containers/storage may leave its overlay home (or a layer) mounted; unmount, innermost first
-    awk -v w="$WORK/" 'index($2, w) == 1 {print $2}' /proc/mounts | sort -r | while read -r m; do umount -l "$m"; done
-    rm -rf "$WORK"
-    exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-say "work folder $WORK, buildah $(buildah --version | awk '{print $3}'), storage driver $driver"
+start_work sentinel-image-smoke
 
 # --- 1. the base image: a debootstrapped Debian bookworm ----------------------------------------------------------
-t=$SECONDS
-debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$WORK/rootfs" "$MIRROR" \
-    >"$WORK/debootstrap.log" 2>&1 || {
-    tail -20 "$WORK/debootstrap.log"
-    fail "debootstrap from $MIRROR failed"
-}
-rm -rf "$WORK"/rootfs/var/cache/apt/archives/*.deb "$WORK"/rootfs/var/lib/apt/lists/*
-ctr="$("${B[@]}" from scratch)"
-mnt="$("${B[@]}" mount "$ctr")"
-tar -C "$WORK/rootfs" --numeric-owner -cf - . | tar -C "$mnt" --numeric-owner -xf -
-"${B[@]}" umount "$ctr" >/dev/null
-rm -rf "$WORK/rootfs"
-"${B[@]}" config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --cmd /bin/bash "$ctr"
-"${B[@]}" commit --quiet --rm "$ctr" "$BASE_TAG" >/dev/null
-say "time debootstrap=$((SECONDS - t))s (base $BASE_TAG)"
+make_base "$BASE_TAG" python3,python3-venv,ca-certificates
 
 # --- 2. the wheelhouse: what the image installs, from this machine's pip (its local wheels and caches) ----------
 t=$SECONDS
@@ -157,23 +84,7 @@ size="$("${B[@]}" images --format '{{.Size}}' "$IMAGE_TAG")"
 say "time build=$((SECONDS - t))s (image $IMAGE_TAG, $size)"
 
 # --- 4. the image's config and a run of it --------------------------------------------------------------------------
-config="$("${B[@]}" inspect --type image "$IMAGE_TAG")"
-python3 - "$config" <<'EOF' || fail "unexpected image config"
-import json, sys
-c = json.loads(sys.argv[1])["OCIv1"]["config"]
-want = {
-    "Entrypoint": ["sentinel-node"],
-    "Cmd": ["--help"],
-    "User": "sentinel",
-    "WorkingDir": "/data",
-    "Volumes": ["/data"],
-    "ExposedPorts": ["31337/tcp", "9400/tcp"],
-}
-got = {k: sorted(c.get(k) or {}) if k in ("Volumes", "ExposedPorts") else c.get(k) for k in want}
-for k, v in want.items():
-    print(f"SMOKE config {k}={json.dumps(got[k])}")
-sys.exit(got != want)
-EOF
+check_config "$IMAGE_TAG"
 
 t=$SECONDS
 ctr="$("${B[@]}" from --pull=never "$IMAGE_TAG")"
@@ -193,55 +104,19 @@ run sentinel-node join --help | grep -q -- '--initial-peers' || fail "join --hel
 # /swarm/initial-peers, which the bootstrap's entry point writes from what it prints; then `swarm status` (the
 # compose file's own example) must find both in the DHT, and both serve metrics. buildah run shares this machine's
 # network namespace, so the compose ports 31337 and 9400 are swapped for free ones.
-read -r boot_p2p boot_metrics verifier_p2p verifier_metrics < <(python3 -c 'import socket
-socks = [socket.socket() for _ in range(4)]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(*[s.getsockname()[1] for s in socks])')
-compose_argv() { # SERVICE P2P_PORT METRICS_PORT: the service's entry point and command, NUL-separated
-    "${B[@]}" run --isolation chroot -v "$REPO/docker-compose.yml:/compose.yml:ro" "$ctr" -- python -c '
-import sys, yaml
-name, p2p, metrics = sys.argv[1:]
-service = yaml.safe_load(open("/compose.yml"))["services"][name]
-argv = [str(a).replace("$$", "$") for a in service["entrypoint"] + service["command"]]
-argv = [metrics if a == "9400" else a.replace("/tcp/31337", f"/tcp/{p2p}") for a in argv]
-sys.stdout.write("\0".join(argv))
-' "$@"
-}
-mapfile -d '' -t boot_argv < <(compose_argv bootstrap "$boot_p2p" "$boot_metrics")
-mapfile -d '' -t verifier_argv < <(compose_argv verifier0 "$verifier_p2p" "$verifier_metrics")
+read -r boot_p2p boot_metrics verifier_p2p verifier_metrics < <(free_ports 4)
+mapfile -d '' -t boot_argv < <(compose_argv "$ctr" bootstrap "$boot_p2p" "$boot_metrics")
+mapfile -d '' -t verifier_argv < <(compose_argv "$ctr" verifier0 "$verifier_p2p" "$verifier_metrics")
 [ "${#boot_argv[@]}" -gt 4 ] && [ "${#verifier_argv[@]}" -gt 4 ] || fail "cannot read docker-compose.yml's services"
 mkdir -p "$WORK/swarm"
 chown "$(run id -u)" "$WORK/swarm"
-start_node() { # NAME ARGV...: a container of the image running ARGV in the background, in its own process group
-    local name=$1 node
-    shift
-    node="$("${B[@]}" from --pull=never --name "smoke-$name" "$IMAGE_TAG")"
-    setsid "${B[@]}" run --isolation chroot -v "$WORK/swarm:/swarm" "$node" -- "$@" \
-        >"$WORK/$name.out" 2>"$WORK/$name.err" </dev/null &
-    node_groups+=("$!")
-}
-wait_for() { # SECONDS COMMAND...: until COMMAND succeeds
-    local deadline=$((SECONDS + $1))
-    shift
-    until "$@"; do
-        [ "$SECONDS" -lt "$deadline" ] || return 1
-        sleep 1
-    done
-}
-node_log() { # NAME: its stdout and the tail of its stderr, for a failure
-    echo "--- $1 stdout"
-    cat "$WORK/$1.out"
-    echo "--- $1 stderr"
-    tail -30 "$WORK/$1.err"
-}
 c=$SECONDS
-start_node verifier "${verifier_argv[@]}"
+start_node "$IMAGE_TAG" verifier "${verifier_argv[@]}"
 wait_for 30 grep -q "waiting for the bootstrap" "$WORK/verifier.out" || {
     node_log verifier
     fail "the compose verifier did not wait for the bootstrap"
 }
-start_node bootstrap "${boot_argv[@]}"
+start_node "$IMAGE_TAG" bootstrap "${boot_argv[@]}"
 wait_for 120 test -s "$WORK/swarm/initial-peers" || {
     node_log bootstrap
     fail "the compose bootstrap wrote no /swarm/initial-peers"

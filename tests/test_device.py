@@ -156,6 +156,25 @@ def test_cpu_stage_trains_in_fp32_with_torch_adamw():
     assert losses[-1] < losses[0] - 1.0, losses
 
 
+@pytest.mark.parametrize(
+    ("cuda_build", "why", "fix"),
+    [
+        (None, "is a CPU-only build", "use the sentinel-node:cuda image"),
+        ("13.0", "(CUDA 13.0) sees no CUDA device", "run the container with --gpus all"),
+    ],
+)
+def test_auto_on_a_machine_without_a_gpu_says_so_in_one_line(no_cuda, monkeypatch, caplog, cuda_build, why, fix):
+    monkeypatch.setattr(torch.version, "cuda", cuda_build)
+    with caplog.at_level("INFO"):
+        worker = StageWorker(MODEL, pipeline(), 1, device="auto")
+        StageWorker(MODEL, pipeline(), 0, device="cpu")  # an explicit CPU is no fallback: nothing to say
+    assert worker.device == torch.device("cpu")
+    lines = [r.getMessage() for r in caplog.records if "--device auto" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert lines[0].startswith("stage 1: --device auto: torch ") and why in lines[0] and fix in lines[0]
+    assert "computing on the CPU (fp32, torch.AdamW)" in lines[0] and "--device cpu makes it explicit" in lines[0]
+
+
 def test_cpu_fp32_forward_is_the_plain_module():
     """Unchanged behaviour on the CPU: no autocast, the module's own output, bit for bit."""
     worker = StageWorker(MODEL, pipeline(), 1, seed=3, device="cpu")

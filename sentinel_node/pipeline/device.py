@@ -37,7 +37,7 @@ def resolve_device(requested: str | torch.device | None) -> torch.device:
     An explicit CUDA device that this machine does not have raises :class:`DeviceError` rather than failing later
     inside the first forward pass.
     """
-    if requested is None or (isinstance(requested, str) and requested.strip().lower() == "auto"):
+    if is_auto(requested):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(requested.strip() if isinstance(requested, str) else requested)
@@ -53,6 +53,29 @@ def resolve_device(requested: str | torch.device | None) -> torch.device:
                 "pass --device cuda:0 or set CUDA_VISIBLE_DEVICES"
             )
     return device
+
+
+def is_auto(requested: str | torch.device | None) -> bool:
+    """Whether `requested` leaves the choice to :func:`resolve_device` (None or "auto", any case)."""
+    return requested is None or (isinstance(requested, str) and requested.strip().lower() == "auto")
+
+
+def cpu_fallback_message(compute: str) -> str:
+    """What a stage logs when ``--device auto`` found no CUDA device: why, how it computes instead (`compute`, e.g.
+    "fp32, torch.AdamW") and how to get the GPU.
+
+    Two causes look alike from outside: a CPU-only torch build, and a CUDA build that sees no GPU (in a container:
+    no ``--gpus all``, or no NVIDIA Container Toolkit on the host). The message names which one it is.
+    """
+    if torch.version.cuda is None:
+        why = f"torch {torch.__version__} is a CPU-only build"
+        fix = "install torch's CUDA build or use the sentinel-node:cuda image"
+    else:
+        why = f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
+        fix = "run the container with --gpus all (the NVIDIA Container Toolkit on the host) or check nvidia-smi"
+    return (
+        f"--device auto: {why}; computing on the CPU ({compute}). For the GPU, {fix}; --device cpu makes it explicit"
+    )
 
 
 def make_optimizer(

@@ -9,7 +9,13 @@ from hivemind.utils.logging import get_logger
 
 from sentinel_node.config import ModelConfig, PipelineConfig
 from sentinel_node.model import StageModule, build_stage
-from sentinel_node.pipeline.device import choose_precision, make_optimizer, resolve_device
+from sentinel_node.pipeline.device import (
+    choose_precision,
+    cpu_fallback_message,
+    is_auto,
+    make_optimizer,
+    resolve_device,
+)
 
 logger = get_logger(__name__)
 
@@ -44,6 +50,9 @@ class StageWorker:
             logger.info(
                 f"stage {stage} on {self.device}: {self.precision.name} compute, optimizer {self.optimizer_name}"
             )
+        elif is_auto(device):
+            # one line, so a volunteer who forgot --gpus all sees it in `docker logs` (README: Run it in Docker)
+            logger.info(f"stage {stage}: {cpu_fallback_message(f'{self.precision.name}, {self.optimizer_name}')}")
         self.max_pending = max_pending
         self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.accumulated = 0
