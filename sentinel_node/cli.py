@@ -71,7 +71,8 @@ def _pipeline_options(command):
         click.option(
             "--state-dir",
             type=click.Path(file_okay=False),
-            help="stage: keep checkpoints here; resume from the newest on start (default: none kept).",
+            help="stage: keep checkpoints here, resume from the newest on start; trainer: keep the data stream's "
+            "position here (default: none kept).",
         ),
         click.option(
             "--checkpoint-every",
@@ -191,6 +192,7 @@ def _role_settings(role: str, opts: dict) -> dict:
             start_step=opts["start_step"],
             only_verifiers=tuple(p for value in opts["only_verifiers"] for p in value.replace(",", " ").split()),
             duplicate=opts["duplicate"],
+            state_dir=opts["state_dir"],
         )
         return {"settings": settings}
     return {}

@@ -127,6 +127,7 @@ class StreamedData:
         )
         self.fingerprint = self._fingerprint(config, seed)
         self.state_path = Path(state_dir) / self.STATE_FILE if state_dir else None
+        self._saved = 0
         if self.state_path is not None:
             saved = load_state(self.state_path, self.fingerprint)
             if saved is not None:
@@ -170,10 +171,11 @@ class StreamedData:
         from sentinel_node.data.stream import save_state
 
         state = self.stream.latest_snapshot()
-        if state.produced == 0:
+        if state.produced == 0 or state.produced == self._saved:
             return
         try:
             save_state(state, self.state_path, self.fingerprint)
+            self._saved = state.produced
         except OSError as e:
             logger.warning(f"cannot keep the data stream's state in {self.state_path}: {e}")
 

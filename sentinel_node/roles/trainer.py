@@ -40,7 +40,7 @@ from hivemind.utils import get_dht_time, get_logger
 
 from dht import Announcer, TrainerAnnouncement
 from peers import LivenessBlacklist, NoRouteError, Route, SwarmView, choose_route
-from sentinel_node.model.corpus import Corpus, load_corpus, sample_batch, validation_batches
+from sentinel_node.data import DataError, TrainingData, load_training_data
 from sentinel_node.roles.common import JoinOptions, NodeError, software_version
 from sentinel_node.roles.metrics import Sample, serve_metrics
 from sentinel_node.roles.runtime import (
@@ -87,6 +87,7 @@ class TrainerOptions:
     duplicate: bool = False  # the baseline SENTINEL replaces: every microbatch computed by two replicas, compared
     # benchmarks: routing modes cycled step by step, each (only_verifiers, duplicate); overrides the two above
     schedule: tuple[tuple[tuple[str, ...], bool], ...] = ()
+    state_dir: str | None = None  # keeps the data stream's position, so a restart reaches the swarm's step fast
 
     def mode(self, step: int) -> tuple[tuple[str, ...], bool]:
         """The verifiers to route through (empty: any) and whether to compute twice, at global step ``step``."""
@@ -197,12 +198,14 @@ def run_trainer(
     """Trains until ``settings.steps`` global steps are done (0: until SIGTERM/SIGINT or ``stop_event``)."""
     config = options.config
     torch.set_num_threads(1)
+    seed = config.swarm.seed if settings.seed is None else settings.seed
     try:
-        corpus = load_corpus(config.data.path, config.data.val_fraction, config.data.max_bytes)
-    except (OSError, ValueError) as e:
+        data = load_training_data(config, seed, settings.state_dir)
+    except DataError as e:
         raise NodeError(f"cannot read the training data: {e}") from None
+    logger.info(f"training data: {data.description}")
     with pipeline_node(options, stop_event) as context:
-        return asyncio.run(TrainerNode(context, settings, corpus, on_step).run(on_ready))
+        return asyncio.run(TrainerNode(context, settings, data, on_step).run(on_ready))
 
 
 class TrainerNode:
@@ -210,10 +213,10 @@ class TrainerNode:
         self,
         context: NodeContext,
         settings: TrainerOptions,
-        corpus: Corpus,
+        data: TrainingData,
         on_step: Callable[[StepLog], None] | None,
     ) -> None:
-        self.context, self.settings, self.corpus, self.on_step = context, settings, corpus, on_step
+        self.context, self.settings, self.data, self.on_step = context, settings, data, on_step
         self.config = context.config
         pipe = self.config.pipeline
         self.shapes = Shapes.of(self.config)
@@ -221,9 +224,11 @@ class TrainerNode:
         self.views = ViewKeeper(context)
         self.blacklist = LivenessBlacklist()
         seed = self.config.swarm.seed if settings.seed is None else settings.seed
-        self.data_rng = np.random.default_rng([seed, 0xDA7A])
         self.route_rng = random.Random(seed + 1)
-        self.val_batches = validation_batches(corpus, settings.eval_batches, pipe.microbatch_size, pipe.seq_len, seed)
+        try:
+            self.val_batches = data.validation_batches(settings.eval_batches)
+        except DataError as e:
+            raise NodeError(str(e)) from None
         self.accounting = Accounting()
         self.inflight = asyncio.Semaphore(settings.inflight or pipe.microbatches_per_step)
         self.losses: list[float] = []
@@ -337,17 +342,15 @@ class TrainerNode:
                 progress.close()
 
     async def _global_step(self, step: int) -> StepLog:
-        pipe = self.config.pipeline
         started = time.perf_counter()
-        batches = [
-            sample_batch(self.corpus.train, pipe.microbatch_size, pipe.seq_len, self.data_rng)
-            for _ in range(pipe.microbatches_per_step)
-        ]
+        # off the event loop: a resumed stream may first fast-forward to this step
+        batches = await asyncio.to_thread(self.data.step_batches, step)
         results = await asyncio.gather(
             *(self._microbatch(step, f"{step}.{i}", x, y, train=True) for i, (x, y) in enumerate(batches))
         )
         losses = [loss for loss in results if loss is not None]
         await self._step_all(step)
+        await asyncio.to_thread(self.data.save_position, step)
         elapsed = time.perf_counter() - started
         self.step = step + 1
         tokens = len(losses) * self.shapes.tokens_per_microbatch
