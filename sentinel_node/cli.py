@@ -499,3 +499,24 @@ def overhead(config_path, steps, as_json, out, workdir) -> None:
     click.echo(json.dumps(report, indent=2) if as_json else table(report))
     if not as_json:
         click.echo(f"{path} written")
+
+
+# --- real models: plan, tokenizer, export (issue 11) ---------------------------------------------------------------
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Swarm config YAML (default: tiny).")
+@click.option(
+    "--step-seconds", type=click.FloatRange(min=0.001), default=60.0, show_default=True, help="Pace for bandwidth."
+)
+@click.option("--inflight", type=click.IntRange(min=1), help="Microbatches in flight (default: a step's).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the tables.")
+def plan(config_path, step_seconds, inflight, as_json) -> None:
+    """What each stage needs (parameters, memory in bf16 and fp32, the smallest GPU) and each boundary's traffic."""
+    import json
+
+    from sentinel_node.model.plan import plan as make_plan
+    from sentinel_node.model.plan import render
+
+    result = make_plan(_load(config_path), step_seconds=step_seconds, inflight=inflight)
+    click.echo(json.dumps(result.as_dict(), indent=2, default=list) if as_json else render(result))

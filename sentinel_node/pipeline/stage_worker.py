@@ -9,7 +9,15 @@ from hivemind.utils.logging import get_logger
 
 from sentinel_node.config import ModelConfig, PipelineConfig
 from sentinel_node.model import StageModule, build_stage
-from sentinel_node.pipeline.device import choose_precision, make_optimizer, resolve_device
+from sentinel_node.pipeline.device import (
+    DeviceError,
+    Precision,
+    choose_precision,
+    free_memory,
+    make_optimizer,
+    resolve_device,
+    will_use_8bit,
+)
 
 logger = get_logger(__name__)
 
@@ -38,6 +46,7 @@ class StageWorker:
         self.stage, self.n_stages, self.pipeline = stage, pipeline.n_stages, pipeline
         self.device = resolve_device(device)
         self.precision = choose_precision(self.device.type, pipeline.mixed_precision)
+        check_fits(model, pipeline, stage, self.device, self.precision)
         self.module: StageModule = build_stage(model, stage, pipeline.n_stages, seed).to(self.device)
         self.optimizer, self.optimizer_name = make_optimizer(self.module.parameters(), pipeline, self.device)
         if self.device.type != "cpu":
@@ -116,3 +125,20 @@ class StageWorker:
         self.accumulated = 0
         self.steps += 1
         return True
+
+
+def check_fits(
+    model: ModelConfig, pipeline: PipelineConfig, stage: int, device: torch.device, precision: Precision
+) -> None:
+    """DeviceError, before anything is allocated, when the stage would not fit the device's free memory."""
+    from sentinel_node.config import Config
+    from sentinel_node.model.plan import fit_problem
+
+    free = free_memory(device)
+    if free is None:
+        return
+    config = Config(model=model, pipeline=pipeline)
+    optimizer = "adamw8bit" if will_use_8bit(device) else "adamw"
+    problem = fit_problem(config, stage, "bf16" if precision.enabled else "fp32", optimizer, free, str(device))
+    if problem is not None:
+        raise DeviceError(problem)
