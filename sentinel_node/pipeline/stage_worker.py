@@ -47,7 +47,13 @@ class StageWorker:
         self.device = resolve_device(device)
         self.precision = choose_precision(self.device.type, pipeline.mixed_precision)
         check_fits(model, pipeline, stage, self.device, self.precision)
-        self.module: StageModule = build_stage(model, stage, pipeline.n_stages, seed).to(self.device)
+        self.module: StageModule = build_stage(model, stage, pipeline.n_stages, seed, init=model.init_from is None)
+        if model.init_from is not None:
+            from sentinel_node.config import Config
+            from sentinel_node.model.weights import load_pretrained
+
+            load_pretrained(self.module, Config(model=model, pipeline=pipeline), stage, model.init_from)
+        self.module.to(self.device)
         self.optimizer, self.optimizer_name = make_optimizer(self.module.parameters(), pipeline, self.device)
         if self.device.type != "cpu":
             logger.info(
