@@ -170,7 +170,7 @@ class StreamedData:
             return
         from sentinel_node.data.stream import save_state
 
-        state = self.stream.latest_snapshot()
+        state = self.stream.latest_snapshot(at_most=(step + 1) * self.per_step_sequences)  # what the next step needs
         if state.produced == 0 or state.produced == self._saved:
             return
         try:

@@ -26,8 +26,8 @@ from sentinel_node.data.errors import DataError
 
 logger = get_logger(__name__)
 
-BATCH_ROWS = 256
-BATCH_CHARS = 1 << 20
+BATCH_ROWS = 64
+BATCH_CHARS = 1 << 18
 TEXT_PIECE_CHARS = 1 << 16  # lines of a text file are joined into pieces of about this size before tokenizing
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _SNIFF_BYTES = 8192

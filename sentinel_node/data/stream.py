@@ -139,8 +139,9 @@ class BlockStream:
 
     def blocks(self, start: int, count: int) -> np.ndarray:
         """(count, block) int32: blocks ``start`` on, the same whatever was asked before."""
-        if start < self._next:
-            self._rewind(start)
+        nearest = [s for s in self._snapshots if s.produced <= start][-1]
+        if start < self._next or nearest.produced > self._next:  # behind us, or a kept state is closer
+            self._restore(nearest)
         if start > self._next:
             skipped = start - self._next
             if skipped > 1000:
@@ -155,8 +156,10 @@ class BlockStream:
         self._snapshots.append(state)
         self._snapshots.sort(key=lambda s: s.produced)
 
-    def latest_snapshot(self) -> StreamState:
-        return self._snapshots[-1]
+    def latest_snapshot(self, at_most: int | None = None) -> StreamState:
+        """The newest resumable state, of those before block ``at_most`` if given."""
+        usable = [s for s in self._snapshots if at_most is None or s.produced <= at_most]
+        return usable[-1]
 
     # --- the machinery
 
@@ -185,10 +188,6 @@ class BlockStream:
         self._epoch_tokens = 0
         # whether this epoch has been read from its start in this process: only then does "no token" mean empty
         self._whole_epoch = state.order_index == 0 and state.row == self._row_to_start(state.epoch, 0)
-
-    def _rewind(self, target: int) -> None:
-        usable = [s for s in self._snapshots if s.produced <= target]
-        self._restore(usable[-1])
 
     def _state(self) -> StreamState:
         return StreamState(

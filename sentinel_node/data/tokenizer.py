@@ -79,7 +79,9 @@ def _load_pretrained(name: str) -> TextTokenizer:
     from transformers import AutoTokenizer
 
     try:
-        hf = AutoTokenizer.from_pretrained(str(Path(name).expanduser()) if local else name, use_fast=True)
+        hf = AutoTokenizer.from_pretrained(
+            str(Path(name).expanduser()) if local else name, use_fast=True, local_files_only=local or hub.offline()
+        )
     except Exception as e:  # OSError (not found, unreachable), ValueError (no fast tokenizer), ...
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataError(f"data.tokenizer {name!r} does not load: {text[:300]}") from None

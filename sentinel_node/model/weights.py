@@ -197,9 +197,14 @@ def _resolve(source: str, needed_files) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        directory = Path(snapshot_download(source, allow_patterns=["config.json", INDEX_FILE]))
+        cached = hub.offline()  # the libraries read HF_HUB_OFFLINE once, when imported: say it again
+        directory = Path(
+            snapshot_download(source, allow_patterns=["config.json", INDEX_FILE], local_files_only=cached)
+        )
         files = needed_files(directory) if (directory / INDEX_FILE).exists() else [SINGLE_FILE]
-        return Path(snapshot_download(source, allow_patterns=["config.json", INDEX_FILE, *files]))
+        return Path(
+            snapshot_download(source, allow_patterns=["config.json", INDEX_FILE, *files], local_files_only=cached)
+        )
     except Exception as e:  # not found, gated, unreachable
         raise WeightsError(f"model.init_from {source!r} cannot be downloaded: {type(e).__name__}: {e}") from None
 
