@@ -23,6 +23,7 @@ microbatches (``train=False``), so the loss is that of the model the swarm actua
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import random
@@ -96,6 +97,14 @@ class TrainerOptions:
         return self.only_verifiers, self.duplicate
 
 
+def data_digest(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
+    """A short digest of a step's input tokens, so a run's log says which data each step saw."""
+    digest = hashlib.sha1()
+    for inputs, _ in batches:
+        digest.update(inputs.to(torch.int64).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 class AccountingError(RuntimeError):
     """A microbatch was started or settled twice: a bug, never a network condition."""
 
@@ -163,6 +172,7 @@ class StepLog:
     wall_s: float
     step_s: float = 0.0  # this step's time: its microbatches and the step calls, not validation
     mode: int = 0  # index into TrainerOptions.schedule, if one is given
+    data_digest: str = ""  # of the step's input tokens: which data it trained on (see data_digest)
 
 
 @dataclass
@@ -378,6 +388,7 @@ class TrainerNode:
             wall_s=time.monotonic() - self._started,
             step_s=elapsed,
             mode=step % len(self.settings.schedule) if self.settings.schedule else 0,
+            data_digest=data_digest(batches),
         )
         logger.info(
             f"step {step}: loss {loss if loss is None else round(loss, 4)}, {log.tokens_per_s:.0f} tokens/s, "
