@@ -158,14 +158,15 @@ def _streamed(dataset: Any, start_row: int) -> Iterator[dict[str, Any]]:
     return iter(dataset.skip(start_row) if start_row else dataset)
 
 
-def _text_lines(path: Path, start_row: int) -> Iterator[dict[str, Any]]:
-    """A text file's lines (line breaks kept), read as it goes; UnicodeDecodeError for a file that is not UTF-8."""
-    with path.open(encoding="utf-8", newline="") as f:
+def _text_lines(path: Path, start_row: int, errors: str = "strict") -> Iterator[dict[str, Any]]:
+    """A text file's lines (line breaks kept), read as it goes; UnicodeDecodeError for a file that is not UTF-8
+    (unless ``errors`` says otherwise)."""
+    with path.open(encoding="utf-8", errors=errors, newline="") as f:
         for line in itertools.islice(f, start_row, None):
             yield {"text": line}
 
 
-def file_shards(files: list[Path], text_column: str = "text") -> list[Shard]:
+def file_shards(files: list[Path], text_column: str = "text", errors: str = "strict") -> list[Shard]:
     """One shard per file; the format comes from the suffix (.jsonl/.json, .parquet; anything else is text).
 
     JSON lines and parquet go through ``datasets`` (streaming); text files are read line by line directly, since
@@ -174,7 +175,7 @@ def file_shards(files: list[Path], text_column: str = "text") -> list[Shard]:
     for file in files:
         builder = _FORMATS.get(file.suffix.lower(), "text")
         if builder == "text":
-            shards.append(Shard(str(file), False, lambda row, file=file: _text_lines(file, row)))
+            shards.append(Shard(str(file), False, lambda row, file=file: _text_lines(file, row, errors)))
             continue
 
         def open_file(row: int, file=file, builder=builder):
@@ -215,7 +216,8 @@ def stdlib_shards() -> list[Shard]:
     from sentinel_node.model.corpus import stdlib_files
 
     files = sorted(stdlib_files())
-    return file_shards([f for f in files if not _looks_binary(f)])
+    # a few of its test files are deliberately not UTF-8: replaced characters, as the byte corpus reads them
+    return file_shards([f for f in files if not _looks_binary(f)], errors="replace")
 
 
 def shards_of(data_path: str | None, dataset: str | None, config: str | None, split: str, column: str) -> list[Shard]:

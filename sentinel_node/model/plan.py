@@ -278,10 +278,14 @@ def render(p: Plan) -> str:
             f"| verifier Mbit/s each way at {p.step_seconds:g} s per step: fp32 / bf16 / fp16 / 8-bit |",
             "|---|---|---|",
         ]
+        rows = []
         for b in p.boundaries:
             sizes = " / ".join(_size(v) for v in b.activation_bytes.values())
             rates = " / ".join(f"{v:.1f}" for v in b.verifier_mbit_s.values())
-            lines.append(f"| {b.boundary}\\|{b.boundary + 1} | {sizes} | {rates} |")
+            rows.append((f"{b.boundary}\\|{b.boundary + 1}", sizes, rates))
+        if len({row[1:] for row in rows}) == 1 and len(rows) > 1:  # the same everywhere: one line says it
+            rows = [(f"each of the {len(rows)}", *rows[0][1:])]
+        lines += [f"| {name} | {sizes} | {rates} |" for name, sizes, rates in rows]
     lines += [
         "",
         "Smallest GPU: bf16 + 8-bit AdamW, with 10% slack and 1 GiB for the CUDA context. Weights and gradients are "
