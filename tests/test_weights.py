@@ -149,3 +149,14 @@ def test_init_from_an_unreachable_hub_id_fails_fast(monkeypatch):
         load_pretrained(build_stage(config.model, 0, 2, init=False), config, 0, "no-such-org/no-such-model")
     assert time.monotonic() - started < 30
     assert "cannot be reached" in str(caught.value) and "no-such-org/no-such-model" in str(caught.value)
+
+
+def test_a_stage_worker_with_init_from_starts_from_the_checkpoint(tmp_path):
+    from sentinel_node.pipeline import StageWorker
+
+    model = _saved_model(tmp_path / "hf")
+    with torch.no_grad():
+        expected = model(TOKENS).logits
+    pretrained = TINY.model_copy(update={"init_from": str(tmp_path / "hf")})
+    workers = [StageWorker(pretrained, PipelineConfig(n_stages=2), k, device="cpu") for k in range(2)]
+    torch.testing.assert_close(_chain([w.module.eval() for w in workers], TOKENS), expected, atol=1e-5, rtol=0)
