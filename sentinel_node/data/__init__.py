@@ -162,7 +162,9 @@ class StreamedData:
                 f"data.val_sequences is {len(self.val)}; raise data.val_sequences (every trainer must agree) or "
                 "lower --eval-batches"
             )
-        blocks = torch.from_numpy(self.val[:need].astype(np.int64))
+        # spread over the whole held-out slice (it is contiguous text: its first sequences are one document)
+        chosen = np.unique(np.linspace(0, len(self.val) - 1, need).round().astype(int))
+        blocks = torch.from_numpy(self.val[chosen].astype(np.int64))
         return [(b[:, :-1], b[:, 1:]) for b in blocks.split(self.batch)]
 
     def save_position(self, step: int) -> None:
