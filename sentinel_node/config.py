@@ -25,6 +25,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
+class RopeScaling(_Strict):
+    """Rotary-embedding scaling of a pretrained Llama (Llama 3.1+ use ``llama3``); None: plain RoPE."""
+
+    rope_type: Literal["llama3", "linear"] = "llama3"
+    factor: float = Field(8.0, gt=0)
+    low_freq_factor: float | None = Field(1.0, gt=0, description="llama3 only")
+    high_freq_factor: float | None = Field(4.0, gt=0, description="llama3 only")
+    original_max_position_embeddings: int | None = Field(8192, ge=1, description="llama3 only")
+
+
+# Model fields added after swarms were already running: they enter the swarm hash only when they differ from their
+# defaults, so every existing config (tiny.yaml, demo.yaml) keeps its hash and its checkpoints stay loadable.
+_LATER_MODEL_FIELDS = {"max_position_embeddings": 4096, "rope_scaling": None}
+
+
 class ModelConfig(_Strict):
     """A Llama-style decoder; the tiny default trains on a CPU in minutes."""
 
@@ -37,6 +52,13 @@ class ModelConfig(_Strict):
     rope_theta: float = Field(10000.0, gt=0)
     rms_norm_eps: float = Field(1e-5, gt=0)
     init_std: float = Field(0.02, gt=0)
+    max_position_embeddings: int = Field(4096, ge=2, description="the longest context the exported model claims")
+    rope_scaling: RopeScaling | None = None
+    init_from: str | None = Field(
+        None,
+        description="a Hugging Face Llama checkpoint (a local folder or a hub id) whose weights each stage starts "
+        "from; not in the swarm hash (each machine may keep its copy elsewhere), names and shapes are checked",
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
@@ -172,9 +194,41 @@ class SwarmConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    path: str | None = Field(None, description="a directory of text files; None: the embedded corpus")
-    val_fraction: float = Field(0.05, gt=0, lt=0.5, description="share of files held out for validation")
-    max_bytes: int = Field(16 * 2**20, ge=2**16, description="bytes read from the corpus")
+    """What the trainer feeds the swarm. Two modes (sentinel_node/data):
+
+    - bytes (``tokenizer: bytes`` and no ``dataset``): ``path`` is a directory of text files, or None for the
+      embedded corpus, read whole into memory as bytes (vocabulary 256), as the tiny default always has been;
+    - streamed (a real ``tokenizer``, or a ``dataset``): documents from ``path`` (a folder or file of .txt, .jsonl
+      or .parquet) or the hub ``dataset`` are tokenized on the fly, packed into ``seq_len + 1``-token blocks with
+      the end-of-text token between documents, and shuffled through a buffer; memory stays bounded.
+    """
+
+    path: str | None = Field(
+        None, description="bytes: a directory of text files (None: the embedded corpus); streamed: a folder or file"
+    )
+    val_fraction: float = Field(0.05, gt=0, lt=0.5, description="bytes: share of files held out for validation")
+    max_bytes: int = Field(16 * 2**20, ge=2**16, description="bytes: bytes read from the corpus")
+    tokenizer: str = Field("bytes", min_length=1, description="bytes, a tokenizer folder, or a hub id")
+    dataset: str | None = Field(None, min_length=1, description="a Hugging Face hub dataset id, streamed")
+    dataset_config: str | None = Field(None, description="the hub dataset's configuration (subset) name")
+    split: str = Field("train", min_length=1, description="the hub dataset's training split")
+    val_split: str | None = Field(
+        None, description="a held-out split to validate on; None: the first val_sequences blocks are held out"
+    )
+    text_column: str = Field("text", min_length=1, description="the column holding the text (.jsonl, .parquet, hub)")
+    val_sequences: int = Field(64, ge=1, description="streamed: sequences held out (or read from val_split)")
+    shuffle_buffer: int = Field(1024, ge=1, description="streamed: packed sequences in the shuffle buffer")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if self.path is not None and self.dataset is not None:
+            raise ValueError("give data.path (local files) or data.dataset (a hub id), not both")
+        return self
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the trainer streams tokenized documents (else: the byte corpus, held in memory)."""
+        return self.tokenizer != "bytes" or self.dataset is not None
 
 
 class SimConfig(_Strict):
@@ -213,6 +267,10 @@ class Config(_Strict):
         """A short digest of everything peers must agree on (not the simulator, data or per-node settings)."""
         shared = self.model_dump(include={"model", "pipeline", "verification", "swarm"})
         shared["pipeline"].pop("mixed_precision", None)  # each node picks what its own GPU supports
+        shared["model"].pop("init_from", None)  # where the weights lie on each machine; names and shapes are checked
+        for name, default in _LATER_MODEL_FIELDS.items():
+            if shared["model"].get(name) == default:
+                shared["model"].pop(name)
         blob = json.dumps(shared, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

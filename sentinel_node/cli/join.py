@@ -35,7 +35,8 @@ def _pipeline_options(command):
         click.option(
             "--state-dir",
             type=click.Path(file_okay=False),
-            help="stage: keep checkpoints here; resume from the newest on start (default: none kept).",
+            help="stage: keep checkpoints here, resume from the newest on start; trainer: keep the data stream's "
+            "position here (default: none kept).",
         ),
         click.option(
             "--checkpoint-every",
@@ -157,6 +158,7 @@ def _role_settings(role: str, opts: dict) -> dict:
             progress=progress,
             start_step=opts["start_step"],
             routing=RoutingSchedule((RoutingMode(only_verifiers, copies=2 if opts["duplicate"] else 1),)),
+            state_dir=opts["state_dir"],
         )
         return {"settings": settings}
     return {}

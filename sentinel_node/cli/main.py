@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from sentinel_node.cli.join import join
+from sentinel_node.cli.model import export, plan, tokenizer
 from sentinel_node.cli.options import config_option, load
 from sentinel_node.cli.swarm import swarm
 
@@ -17,6 +18,9 @@ def main() -> None:
 
 main.add_command(join)
 main.add_command(swarm)
+main.add_command(plan)
+main.add_command(export)
+main.add_command(tokenizer)
 
 
 # --- demo: a whole swarm on this machine -----------------------------------------------------------------------

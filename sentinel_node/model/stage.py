@@ -16,20 +16,19 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from sentinel_node.config import ModelConfig
+from sentinel_node.model.plan import layer_range
 
 
-def layer_range(n_layers: int, stage: int, n_stages: int) -> range:
-    """The global indices of the layers stage `stage` holds; earlier stages take the remainder."""
-    if not 0 <= stage < n_stages:
-        raise ValueError(f"stage {stage} is outside 0..{n_stages - 1}")
-    if n_layers < n_stages:
-        raise ValueError(f"{n_layers} layers cannot fill {n_stages} stages")
-    base, extra = divmod(n_layers, n_stages)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """transformers' rope_parameters for the config (plain RoPE, or a pretrained Llama's scaling)."""
+    params = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        params.update({k: v for k, v in cfg.rope_scaling.model_dump().items() if v is not None})
+    return params
 
 
-def _llama_config(cfg: ModelConfig) -> LlamaConfig:
+def llama_config(cfg: ModelConfig) -> LlamaConfig:
+    """The transformers config of the whole (unsplit) model; embedding and head untied (see model/weights.py)."""
     llama = LlamaConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -38,8 +37,8 @@ def _llama_config(cfg: ModelConfig) -> LlamaConfig:
         num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.n_kv_heads,
         rms_norm_eps=cfg.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        max_position_embeddings=4096,
+        rope_parameters=rope_parameters(cfg),
+        max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=False,
     )
     llama._attn_implementation = "sdpa"
@@ -54,17 +53,21 @@ def _generator(seed: int, name: str) -> torch.Generator:
 class StageModule(nn.Module):
     """forward: token ids (B, T) or hidden states (B, T, H) -> hidden states, or logits on the last stage."""
 
-    def __init__(self, cfg: ModelConfig, stage: int, n_stages: int, seed: int = 0):
+    def __init__(
+        self, cfg: ModelConfig, stage: int, n_stages: int, seed: int = 0, device: str | None = None, init: bool = True
+    ):
         super().__init__()
         self.stage, self.n_stages = stage, n_stages
         self.layer_indices = layer_range(cfg.n_layers, stage, n_stages)
-        llama = _llama_config(cfg)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(llama, layer_idx=i) for i in self.layer_indices)
-        self.rotary = LlamaRotaryEmbedding(llama)
-        self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps) if self.is_last else None
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.is_last else None
-        self._initialize(seed, cfg.init_std)
+        llama = llama_config(cfg)
+        with torch.device(device or "cpu"):
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+            self.layers = nn.ModuleList(LlamaDecoderLayer(llama, layer_idx=i) for i in self.layer_indices)
+            self.rotary = LlamaRotaryEmbedding(llama)
+            self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps) if self.is_last else None
+            self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.is_last else None
+        if init and str(device) != "meta":  # meta: shapes only; init=False: weights are loaded next
+            self._initialize(seed, cfg.init_std)
 
     @property
     def is_first(self) -> bool:
@@ -108,5 +111,7 @@ class StageModule(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-def build_stage(cfg: ModelConfig, stage: int, n_stages: int, seed: int = 0) -> StageModule:
-    return StageModule(cfg, stage, n_stages, seed)
+def build_stage(
+    cfg: ModelConfig, stage: int, n_stages: int, seed: int = 0, device: str | None = None, init: bool = True
+) -> StageModule:
+    return StageModule(cfg, stage, n_stages, seed, device, init)

@@ -6,9 +6,13 @@ GPU decisions can be tested on a machine without one.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.util
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -142,3 +146,25 @@ def choose_precision(device_type: str, mode: MixedPrecision = "auto", cuda_bf16:
     if device_type == "cpu":
         return Precision(torch.bfloat16)
     raise DeviceError(f"pipeline.mixed_precision=bf16 is not supported on {device_type}; set it to auto or off")
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on ``device`` now (a GPU's free memory, the CPU's available RAM), None where unknown."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type == "cpu":
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        with contextlib.suppress(ValueError, OSError, AttributeError):
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return None
+
+
+def will_use_8bit(device: torch.device) -> bool:
+    """Whether :func:`make_optimizer` would pick bitsandbytes' 8-bit AdamW here (without importing it)."""
+    return device.type == "cuda" and importlib.util.find_spec("bitsandbytes") is not None

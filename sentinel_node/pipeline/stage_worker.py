@@ -10,11 +10,15 @@ from hivemind.utils.logging import get_logger
 from sentinel_node.config import ModelConfig, PipelineConfig
 from sentinel_node.model import StageModule, build_stage
 from sentinel_node.pipeline.device import (
+    DeviceError,
+    Precision,
     choose_precision,
     cpu_fallback_message,
+    free_memory,
     is_auto,
     make_optimizer,
     resolve_device,
+    will_use_8bit,
 )
 
 logger = get_logger(__name__)
@@ -44,7 +48,14 @@ class StageWorker:
         self.stage, self.n_stages, self.pipeline = stage, pipeline.n_stages, pipeline
         self.device = resolve_device(device)
         self.precision = choose_precision(self.device.type, pipeline.mixed_precision)
-        self.module: StageModule = build_stage(model, stage, pipeline.n_stages, seed).to(self.device)
+        check_fits(model, pipeline, stage, self.device, self.precision)
+        self.module: StageModule = build_stage(model, stage, pipeline.n_stages, seed, init=model.init_from is None)
+        if model.init_from is not None:
+            from sentinel_node.config import Config
+            from sentinel_node.model.weights import load_pretrained
+
+            load_pretrained(self.module, Config(model=model, pipeline=pipeline), stage, model.init_from)
+        self.module.to(self.device)
         self.optimizer, self.optimizer_name = make_optimizer(self.module.parameters(), pipeline, self.device)
         if self.device.type != "cpu":
             logger.info(
@@ -125,3 +136,20 @@ class StageWorker:
         self.accumulated = 0
         self.steps += 1
         return True
+
+
+def check_fits(
+    model: ModelConfig, pipeline: PipelineConfig, stage: int, device: torch.device, precision: Precision
+) -> None:
+    """DeviceError, before anything is allocated, when the stage would not fit the device's free memory."""
+    from sentinel_node.config import Config
+    from sentinel_node.model.plan import fit_problem
+
+    free = free_memory(device)
+    if free is None:
+        return
+    config = Config(model=model, pipeline=pipeline)
+    optimizer = "adamw8bit" if will_use_8bit(device) else "adamw"
+    problem = fit_problem(config, stage, "bf16" if precision.enabled else "fp32", optimizer, free, str(device))
+    if problem is not None:
+        raise DeviceError(problem)

@@ -41,6 +41,7 @@ from dht import StageAnnouncement
 from peers import LivenessBlacklist
 from sentinel_node.attacks import Attacker, AttackError, arm, attack_maker
 from sentinel_node.config import Config
+from sentinel_node.model.weights import WeightsError
 from sentinel_node.pipeline import StageWorker
 from sentinel_node.pipeline.device import DeviceError
 from sentinel_node.roles.averaging import ReplicaAverager
@@ -130,7 +131,7 @@ def run_stage(
         raise NodeError(str(e)) from None
     try:
         worker = StageWorker(config.model, config.pipeline, settings.stage, seed=seed, device=settings.device)
-    except DeviceError as e:
+    except (DeviceError, WeightsError) as e:
         raise NodeError(str(e)) from None
     state = ReplicaState(worker, config.swarm_hash(), settings.state_dir, settings.checkpoint_every)
     state.resume()

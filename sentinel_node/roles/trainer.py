@@ -23,6 +23,7 @@ microbatches (``train=False``), so the loss is that of the model the swarm actua
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import random
@@ -39,7 +40,7 @@ from hivemind.utils import get_logger
 
 from dht import TrainerAnnouncement
 from peers import LivenessBlacklist, NoRouteError, Route, SwarmView, choose_route, expand
-from sentinel_node.model.corpus import Corpus, load_corpus, sample_batch, validation_batches
+from sentinel_node.data import DataError, TrainingData, load_training_data
 from sentinel_node.roles.calls import note_failures
 from sentinel_node.roles.common import JoinOptions, NodeError
 from sentinel_node.roles.metrics import Sample
@@ -69,6 +70,15 @@ class TrainerOptions:
     progress: bool = False
     start_step: int | None = None  # None: resume from the highest global step a trainer announced
     routing: RoutingSchedule = field(default_factory=RoutingSchedule)  # benches inject other modes
+    state_dir: str | None = None  # keeps the data stream's position, so a restart reaches the swarm's step fast
+
+
+def data_digest(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
+    """A short digest of a step's input tokens, so a run's log says which data each step saw."""
+    digest = hashlib.sha1()
+    for inputs, _ in batches:
+        digest.update(inputs.to(torch.int64).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 class AccountingError(RuntimeError):
@@ -138,6 +148,7 @@ class StepLog:
     wall_s: float
     step_s: float = 0.0  # this step's time: its microbatches and the step calls, not validation
     mode: int = 0  # index into TrainerOptions.routing.modes
+    data_digest: str = ""  # of the step's input tokens: which data it trained on (see data_digest)
 
 
 @dataclass
@@ -173,12 +184,14 @@ def run_trainer(
     """Trains until ``settings.steps`` global steps are done (0: until SIGTERM/SIGINT or ``stop_event``)."""
     config = options.config
     torch.set_num_threads(1)
+    seed = config.swarm.seed if settings.seed is None else settings.seed
     try:
-        corpus = load_corpus(config.data.path, config.data.val_fraction, config.data.max_bytes)
-    except (OSError, ValueError) as e:
+        data = load_training_data(config, seed, settings.state_dir)
+    except DataError as e:
         raise NodeError(f"cannot read the training data: {e}") from None
+    logger.info(f"training data: {data.description}")
     with started_node(options, stop_event) as context:
-        return asyncio.run(TrainerNode(context, settings, corpus, on_step).serve(on_ready))
+        return asyncio.run(TrainerNode(context, settings, data, on_step).serve(on_ready))
 
 
 class TrainerNode(Node):
@@ -189,18 +202,20 @@ class TrainerNode(Node):
         self,
         context: NodeContext,
         settings: TrainerOptions,
-        corpus: Corpus,
+        data: TrainingData,
         on_step: Callable[[StepLog], None] | None,
     ) -> None:
         super().__init__(context, settings.status_file)
-        self.settings, self.corpus, self.on_step = settings, corpus, on_step
+        self.settings, self.data, self.on_step = settings, data, on_step
         pipe = self.config.pipeline
         self.shapes = Shapes.of(self.config)
         self.blacklist = LivenessBlacklist()
         seed = self.config.swarm.seed if settings.seed is None else settings.seed
-        self.data_rng = np.random.default_rng([seed, 0xDA7A])
         self.route_rng = random.Random(seed + 1)
-        self.val_batches = validation_batches(corpus, settings.eval_batches, pipe.microbatch_size, pipe.seq_len, seed)
+        try:
+            self.val_batches = data.validation_batches(settings.eval_batches)
+        except DataError as e:
+            raise NodeError(str(e)) from None
         self.accounting = Accounting()
         self.inflight = asyncio.Semaphore(settings.inflight or pipe.microbatches_per_step)
         self.losses: list[float] = []
@@ -301,17 +316,15 @@ class TrainerNode(Node):
                 progress.close()
 
     async def _global_step(self, step: int) -> StepLog:
-        pipe = self.config.pipeline
         started = time.perf_counter()
-        batches = [
-            sample_batch(self.corpus.train, pipe.microbatch_size, pipe.seq_len, self.data_rng)
-            for _ in range(pipe.microbatches_per_step)
-        ]
+        # off the event loop: a resumed stream may first fast-forward to this step
+        batches = await asyncio.to_thread(self.data.step_batches, step)
         results = await asyncio.gather(
             *(self._microbatch(step, f"{step}.{i}", x, y, train=True) for i, (x, y) in enumerate(batches))
         )
         losses = [loss for loss in results if loss is not None]
         await self._step_all(step)
+        await asyncio.to_thread(self.data.save_position, step)
         elapsed = time.perf_counter() - started
         self.step = step + 1
         tokens = len(losses) * self.shapes.tokens_per_microbatch
@@ -339,6 +352,7 @@ class TrainerNode(Node):
             wall_s=time.monotonic() - self._started,
             step_s=elapsed,
             mode=self.settings.routing.index(step),
+            data_digest=data_digest(batches),
         )
         logger.info(
             f"step {step}: loss {loss if loss is None else round(loss, 4)}, {log.tokens_per_s:.0f} tokens/s, "
