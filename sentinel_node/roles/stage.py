@@ -140,7 +140,7 @@ def run_stage(
             averager = ReplicaAverager(
                 worker.module,
                 context.dht,
-                prefix=f"{config.swarm.prefix}_stage{settings.stage}",
+                prefix=context.store.keys.averager(settings.stage),  # validators know exactly these keys
                 matchmaking_time=AVERAGE_MATCHMAKING_S,
                 timeout=AVERAGE_TIMEOUT_S,
             )
