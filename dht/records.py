@@ -102,6 +102,8 @@ class StageAnnouncement(Announcement):
     # the last global step the replica applied (-1: none yet); a trainer joining a swarm whose trainers have all
     # gone resumes after it, since stages apply each global step once
     last_step: Step = -1
+    # why its last checkpoint could not be written (disk full, ...), until one is; None: fine, or no checkpoints
+    checkpoint_problem: Optional[constr(strict=True, max_length=256)] = None
 
     def key(self, keys: SwarmKeys) -> str:
         return keys.stage(self.stage)

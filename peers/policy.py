@@ -59,13 +59,13 @@ class ExclusionParams:
                 "ban_quorum must be at least 2 with an open verifier set (open_verifiers: true), "
                 "so that one lying verifier cannot frame an honest peer"
             )
-        if not self.open_verifiers and not self.trusted_peer_ids and self.organiser is None:
-            raise ValueError(
-                "the swarm admits no verifier: list their peer ids in trusted_verifiers, name an organiser who "
-                "certifies them (`sentinel-node admit --new-organiser-key`), or opt in to an open verifier set "
-                "with open_verifiers: true"
-            )
-        if not self.open_verifiers and self.organiser is None and self.ban_quorum > len(self.trusted_peer_ids):
+        # (a swarm that admits no verifier at all is valid here: nodes that need one say so when they join)
+        if (
+            not self.open_verifiers
+            and self.organiser is None
+            and self.trusted_peer_ids
+            and self.ban_quorum > len(self.trusted_peer_ids)
+        ):
             raise ValueError(
                 f"ban_quorum={self.ban_quorum} exceeds the {len(self.trusted_peer_ids)} distinct trusted verifiers: "
                 "no peer could ever be excluded; lower ban_quorum or trust more verifiers"

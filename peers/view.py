@@ -85,6 +85,19 @@ class SwarmView:
         found += [a for _, a in sorted(self.trainers.items())]
         return found
 
+    def step_estimate(self, exclude: str | None = None) -> int:
+        """The swarm's last applied global step as its live stage replicas announce it, robust to a minority of
+        liars: the lower median over stages of each stage's lower median (``exclude``: a replica asking about the
+        others). -1 when no replica has applied a step (or none is announced)."""
+        per_stage = []
+        for k in range(self.n_stages):
+            steps = sorted(a.last_step for a in self.live_replicas(k) if a.peer_id != exclude)
+            if steps:
+                per_stage.append(steps[(len(steps) - 1) // 2])
+        if not per_stage:
+            return -1
+        return sorted(per_stage)[(len(per_stage) - 1) // 2]
+
     def health(self) -> Health:
         return Health(
             stages_without_replica=tuple(k for k in range(self.n_stages) if not self.live_replicas(k)),

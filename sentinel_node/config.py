@@ -171,12 +171,19 @@ class SwarmConfig(_Strict):
     def _trust(self) -> SwarmConfig:
         self.trust_roots()  # entries that name no peer are errors here, not at join
         self.exclusion_params()  # the exclusion policy's own rule decides what a valid quorum is
-        if not (self.trainers or self.organiser or self.open_trainers):
-            raise ValueError(
-                "the swarm admits no trainer: list their peer ids in trainers, name an organiser who certifies them "
-                "(`sentinel-node admit --new-organiser-key`), or opt in to open_trainers: true"
-            )
         return self
+
+    def unadmittable_roles(self) -> list[str]:
+        """The roles this config admits nobody to (no listed peer, no organiser, not open): a swarm that needs
+        them cannot run, and its nodes say so when they start."""
+        return [
+            role
+            for role, listed, open_ in (
+                ("trainer", self.trainers, self.open_trainers),
+                ("verifier", self.trusted_verifiers, self.open_verifiers),
+            )
+            if not (listed or self.organiser or open_)
+        ]
 
     def organiser_key(self) -> bytes | None:
         """The organiser's public key, checked; ValueError saying what is wrong with it."""
@@ -254,8 +261,8 @@ class Config(_Strict):
     model: ModelConfig = ModelConfig()
     pipeline: PipelineConfig = PipelineConfig()
     verification: VerificationConfig = VerificationConfig()
-    # no default: who may train and verify is every swarm's own explicit choice (docs/security.md)
-    swarm: SwarmConfig = Field(default_factory=SwarmConfig)
+    # by default nobody may train or verify: who may is every swarm's own explicit choice (docs/security.md)
+    swarm: SwarmConfig = SwarmConfig()
     data: DataConfig = DataConfig()
     sim: SimConfig = SimConfig()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from sentinel_node.cli.admit import admit
 from sentinel_node.cli.join import join
 from sentinel_node.cli.options import config_option, load
 from sentinel_node.cli.swarm import swarm
@@ -17,6 +18,7 @@ def main() -> None:
 
 main.add_command(join)
 main.add_command(swarm)
+main.add_command(admit)
 
 
 # --- demo: a whole swarm on this machine -----------------------------------------------------------------------

@@ -37,11 +37,14 @@ async def call_hop(
     settings: TransportSettings,
     *,
     nobody: str,
+    allowed: Callable[[str], bool],
     skip: Callable[[str], bool] = lambda _: False,
 ) -> Reply:
     """Calls ``handler`` on the hop's chosen peer, or an alternate when that one fails before answering; peers that
-    failed to answer are suspended. HopRefused saying ``nobody`` when no candidate is left to call."""
-    candidates = order_candidates(hop.peer_id, hop.alternates, view, blacklist, skip)
+    failed to answer are suspended. Only peers ``allowed`` at this place of the route are called (the route comes
+    from the caller, who may be anyone: a hop it names is never trusted for being named). HopRefused saying
+    ``nobody`` when no candidate is left to call."""
+    candidates = order_candidates(hop.peer_id, hop.alternates, view, blacklist, lambda p: skip(p) or not allowed(p))
     if not candidates:
         raise HopRefused(nobody)
     try:

@@ -58,6 +58,7 @@ class JoinOptions:
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port)
     use_relay: bool = True  # may reach peers that are themselves reachable only through a relay
     use_auto_relay: bool = False  # behind NAT: find relays and be reachable through them
+    certificate_path: str | None = None  # the organiser's role certificate (trainers, verifiers)
 
 
 def peer_ids_of(maddrs: Iterable[str]) -> list[str]:

@@ -11,6 +11,10 @@ from pydantic import Field
 from sentinel_node.config import Config
 from sentinel_node.transport import MicrobatchMetadata, RequestMetadata, TensorSpec, TransportSettings, WireModel
 
+# A global step more than this far ahead of a replica's own (and of the swarm's, as its live replicas announce it)
+# is refused and logged as an attack: one call with step 2**62 once froze every replica for good.
+MAX_STEP_AHEAD = 16
+
 # Handler names on every node's libp2p daemon (the transport adds a ".stream" twin for each).
 STAGE_FORWARD = "sentinel.stage.forward"
 STAGE_STEP = "sentinel.stage.step"
