@@ -574,3 +574,27 @@ def test_what_a_caller_does_about_an_error_is_said_by_its_class_wherever_it_fail
                 unresponsive,
                 view_behind,
             ), cls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "streams, mib_each, one_message, admitted",
+    [
+        (1, 512, True, False),  # issue 16, attack 6: RSS 530 -> 1050 MB, not given back after close
+        (4, 256, True, False),  # 4 x 256 MiB at once: peaked at 1.57 GB
+        (1, 512, False, False),  # the same in honest-sized messages
+        (1, 512, True, True),  # an admitted caller sending one message far beyond any chunk
+    ],
+)
+def test_memory_stays_bounded_whatever_a_caller_streams(streams, mib_each, one_message, admitted):
+    """A handler in a process of its own (tests/stream_flood.py) takes hundreds of MiB from one peer: its memory
+    must not follow. Measured figures, old code against new, are in docs/decisions.md."""
+    from pathlib import Path
+
+    import stream_flood
+
+    root = str(Path(__file__).resolve().parent.parent)
+    figures = stream_flood.measure(root, streams, mib_each, one_message, admitted)
+    grew = figures["rss_peak_mib"] - figures["rss_before_mib"]
+    assert grew < 64, figures
+    assert all(not outcome.startswith("sent all") for outcome in figures["streams"]), figures

@@ -39,6 +39,7 @@ async def call_hop(
     nobody: str,
     allowed: Callable[[str], bool],
     skip: Callable[[str], bool] = lambda _: False,
+    max_reply_bytes: int | None = None,
 ) -> Reply:
     """Calls ``handler`` on the hop's chosen peer, or an alternate when that one fails before answering; peers that
     failed to answer are suspended. Only peers ``allowed`` at this place of the route are called (the route comes
@@ -48,7 +49,9 @@ async def call_hop(
     if not candidates:
         raise HopRefused(nobody)
     try:
-        reply = await call_first_available(p2p, candidates, handler, tensors, metadata, settings=settings)
+        reply = await call_first_available(
+            p2p, candidates, handler, tensors, metadata, settings=settings, max_reply_bytes=max_reply_bytes
+        )
     except HopError as e:
         note_failures(blacklist, e.failures or [e])
         raise

@@ -219,8 +219,12 @@ class StageNode(Node):
             expect = [self.shapes.tokens, self.shapes.tokens]
         else:
             expect = [self.shapes.hidden_spec, self.shapes.tokens]
-        await server.add_handler(STAGE_FORWARD, self._forward, PipelineRequest, authorize=self._admit, expect=expect)
-        await server.add_handler(STAGE_STEP, self._step, StepRequest, authorize=self._admit_step, expect=[])
+        await server.add_handler(
+            STAGE_FORWARD, self._forward, PipelineRequest, admit=self._admit, authorize=self._authorize, expect=expect
+        )
+        await server.add_handler(
+            STAGE_STEP, self._step, StepRequest, admit=self._admit_step, authorize=self._authorize_step, expect=[]
+        )
 
     def announcement(self) -> StageAnnouncement:
         return self.announced(
@@ -348,7 +352,8 @@ class StageNode(Node):
 
     # --- who may call
 
-    async def _admit(self, caller: str, metadata: PipelineRequest) -> None:
+    async def _admit(self, caller: str) -> None:
+        """Who may send this stage microbatches (decided on the peer id alone, before reading the request)."""
         if self.stage == 0:
             await self.gate.require(
                 caller,
@@ -363,6 +368,8 @@ class StageNode(Node):
                 f"stage {self.stage} accepts activations only from a live verifier admitted for boundary "
                 f"{boundary}|{self.stage}",
             )
+
+    def _authorize(self, caller: str, metadata: PipelineRequest) -> None:
         if not self.worker.is_last:
             if not metadata.route:
                 raise HopRefused(f"stage {self.stage} is not the last stage: the route must name the next hop")
@@ -370,10 +377,12 @@ class StageNode(Node):
                 raise HopRefused(f"the hop after stage {self.stage} must be a verifier of boundary {self.stage}")
         self._check_step(metadata.step, caller, "a microbatch")
 
-    async def _admit_step(self, caller: str, metadata: StepRequest) -> None:
+    async def _admit_step(self, caller: str) -> None:
         await self.gate.require(
             caller, lambda view: live_trainer(view, caller), "only a live trainer the swarm admits paces steps"
         )
+
+    def _authorize_step(self, caller: str, metadata: StepRequest) -> None:
         self._check_step(metadata.step, caller, "a step call")
 
     def _check_step(self, step: int, caller: str, what: str) -> None:
@@ -453,6 +462,7 @@ class StageNode(Node):
             nobody=f"no verifier the route names for boundary {self.stage}|{self.stage + 1} is live, admitted and "
             "not excluded",
             allowed=lambda peer: live_verifier(self.views.view, peer, self.stage),
+            max_reply_bytes=self.shapes.activation_bytes,
         )
 
     def _fits(self, tensor: torch.Tensor) -> bool:

@@ -425,7 +425,13 @@ class TrainerNode(Node):
         )
         candidates = [hops[0].peer_id, *hops[0].alternates]
         reply = await call_first_available(
-            self.p2p, candidates, STAGE_FORWARD, [inputs, targets], meta, settings=self.transport
+            self.p2p,
+            candidates,
+            STAGE_FORWARD,
+            [inputs, targets],
+            meta,
+            settings=self.transport,
+            max_reply_bytes=self.shapes.activation_bytes,
         )
         note_failures(self.blacklist, reply.failures)
         return reply
@@ -523,7 +529,16 @@ class TrainerNode(Node):
         meta = StepRequest(deadline=time.time() + STEP_CALL_TIMEOUT_S, step=step)
         results = await asyncio.gather(
             *(
-                call_peer(self.p2p, peer, STAGE_STEP, [], meta, settings=self.transport, reply_model=StepReply)
+                call_peer(
+                    self.p2p,
+                    peer,
+                    STAGE_STEP,
+                    [],
+                    meta,
+                    settings=self.transport,
+                    reply_model=StepReply,
+                    max_reply_bytes=0,
+                )
                 for peer in replicas
             ),
             return_exceptions=True,

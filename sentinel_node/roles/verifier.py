@@ -55,6 +55,7 @@ from sentinel_node.transport import (
     TensorServer,
     check_tensors,
 )
+from sentinel_node.transport.server import expected_bytes
 from sentinel_node.verification import Verdict
 
 logger = get_logger(__name__)
@@ -228,7 +229,13 @@ class VerifierNode(Node):
         # Tensors reach the handler unchecked (no expect, NaN allowed) so the verification core sees every
         # malformed activation and strikes its sender; the handler checks the targets itself.
         await server.add_handler(
-            VERIFIER_RELAY, self._relay, PipelineRequest, authorize=self._admit, require_finite=False
+            VERIFIER_RELAY,
+            self._relay,
+            PipelineRequest,
+            admit=self._admit,
+            authorize=self._authorize,
+            require_finite=False,
+            max_bytes=expected_bytes([self.shapes.hidden_spec, self.shapes.tokens]),
         )
 
     def announcement(self) -> VerifierAnnouncement:
@@ -285,7 +292,8 @@ class VerifierNode(Node):
         stage = stage_of(self.views.view, caller)
         return stage if stage in self.boundaries else None
 
-    async def _admit(self, caller: str, metadata: PipelineRequest) -> None:
+    async def _admit(self, caller: str) -> None:
+        """Who may send this verifier activations (decided on the peer id alone, before reading the request)."""
         if self.checker.is_banned(caller):
             record = self.checker.ledger.senders[caller]
             raise HopBanned(f"this verifier banned {caller} after {record.strikes} strikes; it relays nothing for it")
@@ -295,6 +303,8 @@ class VerifierNode(Node):
             lambda view: self._boundary_of(caller) is not None,
             f"this verifier relays activations only from live replicas of stages {names}",
         )
+
+    def _authorize(self, caller: str, metadata: PipelineRequest) -> None:
         if not metadata.route or metadata.route[0].boundary is not None:
             raise HopRefused("the route must name the next stage's replica after this verifier")
 
@@ -335,6 +345,7 @@ class VerifierNode(Node):
             nobody=f"no stage {boundary + 1} replica the route names is live and neither banned nor excluded",
             allowed=lambda peer: live_replica(self.views.view, peer, boundary + 1),
             skip=self.checker.is_banned,
+            max_reply_bytes=self.shapes.activation_bytes,
         )
         self.stats.relayed += 1
         taint = sorted({*next_meta.taint, *reply.metadata.taint})

@@ -67,6 +67,11 @@ class Shapes:
         return TensorSpec(self.activation, torch.float32)
 
     @property
+    def activation_bytes(self) -> int:
+        """The most a reply carrying one activation or gradient takes (float32)."""
+        return self.batch * self.seq_len * self.hidden * 4
+
+    @property
     def tokens_per_microbatch(self) -> int:
         return self.batch * self.seq_len
 
