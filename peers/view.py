@@ -144,14 +144,19 @@ class SwarmWatcher:
         keys = self.store.keys
         stage_keys = [keys.stage(k) for k in range(self.n_stages)]
         found = self.store.fetch([*stage_keys, keys.verifiers, keys.trainers, keys.bootstraps])
-        stages = {k: _of_type(found[key], StageAnnouncement) for k, key in enumerate(stage_keys)}
-        verifiers = _of_type(found[keys.verifiers], VerifierAnnouncement)
-        trainers = _of_type(found[keys.trainers], TrainerAnnouncement)
-        bootstraps = _of_type(found[keys.bootstraps], BootstrapAnnouncement)
-
         with self._lock:
             suspects = set(self._accused)
-            previous = self._view.ledger
+            before = self._view
+            previous = before.ledger
+        now = get_dht_time()
+        stages = {
+            k: self._kept(before.stages.get(k, {}), _of_type(found[key], StageAnnouncement), now)
+            for k, key in enumerate(stage_keys)
+        }
+        verifiers = self._kept(before.verifiers, _of_type(found[keys.verifiers], VerifierAnnouncement), now)
+        trainers = self._kept(before.trainers, _of_type(found[keys.trainers], TrainerAnnouncement), now)
+        bootstraps = self._kept(before.bootstraps, _of_type(found[keys.bootstraps], BootstrapAnnouncement), now)
+
         for replicas in stages.values():
             suspects.update(replicas)
         suspects.update(verifiers, trainers, also_ask_about)
@@ -184,6 +189,17 @@ class SwarmWatcher:
             self._accused = set(ledger.accused())
             self._view = view
         return view
+
+    def _kept(self, before: Mapping[str, Announcement], read: dict[str, Announcement], now: float) -> dict:
+        """What a key holds: the announcements just read, and those read before that this read missed but that
+        cannot have expired yet (a DHT read on a loaded machine may miss a record; its node has not gone, which
+        it would have said with an ``offline`` record, or by letting it expire). A newer record always wins."""
+        ttl = self.store.rules.announce_ttl
+        kept = dict(read)
+        for peer, announcement in before.items():
+            if peer not in kept and announcement.time + ttl > now:
+                kept[peer] = announcement
+        return kept
 
     def _open_voters(self, verifiers: Mapping[str, VerifierAnnouncement]) -> frozenset[str]:
         """Verifiers announced online in every refresh since at least ``min_voter_age`` seconds ago (open sets)."""

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import hivemind
 import pytest
+import raw_dht
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
-from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
+from raw_dht import signed_value
 
 from dht import (
     Announcer,
@@ -241,36 +242,8 @@ def test_writer_refuses_records_peers_would_refuse(swarm):
 # --- an attacker running the honest software but storing hand-made bytes straight into its peers' storage ---
 
 
-async def _raw_store(_dht, node, key: str, subkey: object, value: bytes, expiration: float) -> list:
-    """Runs inside the attacker's DHT process: asks every known peer to store exactly these bytes."""
-    peers = list(node.protocol.routing_table.peer_id_to_uid)
-    results = [
-        await node.protocol.call_store(peer, [DHTID.generate(source=key)], [value], expiration, [subkey])
-        for peer in peers
-    ]
-    return [r[0] if r else None for r in results]
-
-
-async def _raw_store_many(_dht, node, key: str, subkeys: list, values: list, expiration: float) -> list:
-    """Like _raw_store, with many subkeys of one key in one request per peer."""
-    peers = list(node.protocol.routing_table.peer_id_to_uid)
-    key_ids = [DHTID.generate(source=key)] * len(values)
-    results = [await node.protocol.call_store(peer, key_ids, values, expiration, subkeys) for peer in peers]
-    return [sum(bool(ok) for ok in r) if r else None for r in results]
-
-
-def signed_value(signer: Identity, key: str, subkey: bytes, value: dict, expiration: float) -> bytes:
-    """The bytes hivemind's RSASignatureValidator would send for ``value``, signed by ``signer``."""
-    value_bytes = MSGPackSerializer.dumps(value)
-    record = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(subkey), value_bytes, expiration)
-    signature = signer.private_key.sign(MSGPackSerializer.dumps(dataclasses.astuple(record)))
-    return value_bytes + b"[signature:" + signature + b"]"
-
-
 def raw_store(attacker: Node, key: str, subkey: object, value: bytes, expiration: float) -> list:
-    return attacker.dht.run_coroutine(
-        functools.partial(_raw_store, key=key, subkey=subkey, value=value, expiration=expiration)
-    )
+    return raw_dht.raw_store(attacker.dht, key, subkey, value, expiration)
 
 
 def raw_store_signed(attacker: Node, signer: Identity, record: dict, key: str, expiration: float) -> list:
@@ -566,7 +539,7 @@ def test_junk_subkeys_cannot_make_a_key_unreadable(swarm, attacker, new_node):
         subkeys = [f"junk-{batch}-{i}".encode() for i in range(900)]
         counts = attacker.dht.run_coroutine(
             functools.partial(
-                _raw_store_many, key=key, subkeys=subkeys, values=[junk] * len(subkeys), expiration=expiration
+                raw_dht.raw_store_many, key=key, subkeys=subkeys, values=[junk] * len(subkeys), expiration=expiration
             )
         )
         accepted += sum(c or 0 for c in counts)

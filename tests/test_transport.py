@@ -465,6 +465,34 @@ def test_deadline_of_a_sleeping_handler_and_nested_deadlines() -> None:
     asyncio.run(scenario())
 
 
+def test_a_caller_that_gives_up_cancels_the_work_it_asked_for() -> None:
+    """Cancellation cascades: a handler whose caller closed the stream is cancelled at once, as hivemind's own
+    stream handler did, instead of finishing (and, in a stage, accumulating gradients) for nobody."""
+
+    async def scenario() -> None:
+        async with swarm(2) as (server_p2p, client_p2p):
+            started, cancelled = asyncio.Event(), asyncio.Event()
+
+            async def slow(incoming: Incoming) -> Answer:
+                started.set()
+                try:
+                    await asyncio.sleep(30)
+                except asyncio.CancelledError:
+                    cancelled.set()
+                    raise
+                return Answer([])
+
+            server = TensorServer(server_p2p, SETTINGS)
+            await server.add_handler("slow", slow)
+            call = call_peer(client_p2p, server_p2p.peer_id, "slow", [], soon(60), settings=SETTINGS, stream=True)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(call, 3.0)  # the caller gives up long before the request's deadline
+            assert started.is_set()
+            await asyncio.wait_for(cancelled.wait(), 5.0)
+
+    asyncio.run(scenario())
+
+
 def test_retry_on_another_candidate_only_when_the_first_did_not_answer() -> None:
     async def scenario() -> None:
         async with swarm(4) as (client, dead, alive, refuser):

@@ -97,7 +97,7 @@ class ReplicaState:
             write_checkpoint(payload, self.state_dir)
         except Exception as e:  # a full disk, a lost mount: the replica serves on and tries again
             problem = str(e) if isinstance(e, CheckpointWriteError) else f"{type(e).__name__}: {e}"
-            if problem != self.problem:  # once per problem, not once per step
+            if self.problem is None or _kind(problem) != _kind(self.problem):  # once per problem, not per step
                 logger.error(f"stage {self.stage}: checkpoint at step {payload['step']} not saved: {problem}")
             self.problem = problem
             self.failed += 1
@@ -181,3 +181,8 @@ class ReplicaState:
         for values in self.worker.optimizer.state_dict()["state"].values():
             tensors += [v for v in values.values() if isinstance(v, torch.Tensor)]
         return 4 * sum(t.numel() * t.element_size() for t in tensors) + (1 << 20)
+
+
+def _kind(problem: str) -> str:
+    """What a checkpoint problem is, whatever step or byte count it names ("disk full", ...)."""
+    return problem.split(":", 1)[0]

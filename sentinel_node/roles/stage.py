@@ -463,6 +463,7 @@ class StageNode(Node):
             "not excluded",
             allowed=lambda peer: live_verifier(self.views.view, peer, self.stage),
             max_reply_bytes=self.shapes.activation_bytes,
+            refresh=lambda: self.views.refresh(force=True),
         )
 
     def _fits(self, tensor: torch.Tensor) -> bool:

@@ -346,6 +346,7 @@ class VerifierNode(Node):
             allowed=lambda peer: live_replica(self.views.view, peer, boundary + 1),
             skip=self.checker.is_banned,
             max_reply_bytes=self.shapes.activation_bytes,
+            refresh=lambda: self.views.refresh(force=True),
         )
         self.stats.relayed += 1
         taint = sorted({*next_meta.taint, *reply.metadata.taint})

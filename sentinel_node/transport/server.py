@@ -19,7 +19,7 @@ import inspect
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -209,6 +209,9 @@ class TensorServer:
             try:
                 messages = await self._answer_stream(route, reader, caller)
                 refused = False
+            except _CallerGone:
+                logger.debug(f"{route.name}: {caller} went away before the answer; its work was cancelled")
+                return
             except Exception as e:
                 messages = [error_message(ExpertResponse, self._report(route, caller, e))]
                 refused = True
@@ -241,7 +244,8 @@ class TensorServer:
             for proto in head.tensors:
                 assembler.add(proto)
             await asyncio.wait_for(self._receive(reader, assembler), time_left(deadline))
-            answer, protos = await self._run(route, assembler.finish(), metadata, caller, deadline)
+            work = self._run(route, assembler.finish(), metadata, caller, deadline)
+            answer, protos = await _while_caller_waits(reader, work)
         return stream_messages(ExpertResponse, answer.metadata, protos, self.settings.chunk_bytes)
 
     async def _receive(self, reader: asyncio.StreamReader, assembler: PartAssembler) -> None:
@@ -326,6 +330,39 @@ class TensorServer:
         else:
             logger.debug(f"{route.name}: answered {caller} with {text}")
         return text
+
+
+class _CallerGone(Exception):
+    """The caller closed its end of the stream before the answer was ready."""
+
+
+async def _while_caller_waits(reader: asyncio.StreamReader, work: Awaitable[Any]) -> Any:
+    """``work``'s result, or _CallerGone once the caller closes its end meanwhile: it gave up, so the work is
+    cancelled (as hivemind's own stream handler cancels it), and a cancellation reaches every hop down the route
+    instead of each finishing, and accumulating gradients, for nobody."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.create_task(_until_closed(reader))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with suppress(asyncio.CancelledError, Exception):
+            await task
+        raise _CallerGone()
+    finally:
+        watch.cancel()
+        with suppress(asyncio.CancelledError, Exception):
+            await watch
+        if not task.done():
+            task.cancel()
+
+
+async def _until_closed(reader: asyncio.StreamReader) -> None:
+    """Returns once the peer has closed its end (what it still sends after its request is dropped)."""
+    with suppress(Exception):
+        while await reader.read(2**16):
+            pass
 
 
 def _decode(
