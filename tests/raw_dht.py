@@ -32,6 +32,20 @@ async def raw_store_many(_dht, node, key: str, subkeys: list, values: list, expi
     return [sum(bool(ok) for ok in r) if r else None for r in results]
 
 
+async def _raw_store_junk(_dht, node, key: str, count: int, size: int, expiration: float, tag: str) -> list:
+    """Like raw_store_many with ``count`` subkeys of ``size`` junk bytes each, made inside the DHT process (a large
+    argument through the DHT's pipe can break it)."""
+    junk = MSGPackSerializer.dumps(b"j" * size)
+    subkeys = [f"{tag}-{i}".encode() for i in range(count)]
+    return await raw_store_many(_dht, node, key, subkeys, [junk] * count, expiration)
+
+
+def raw_store_junk(dht: hivemind.DHT, key: str, count: int, size: int, expiration: float, tag: str = "junk") -> int:
+    """How many junk entries the attacker's peers accepted, in all."""
+    call = functools.partial(_raw_store_junk, key=key, count=count, size=size, expiration=expiration, tag=tag)
+    return sum(n or 0 for n in dht.run_coroutine(call))
+
+
 def signed_value(signer: Identity, key: str, subkey: bytes, value: dict, expiration: float) -> bytes:
     """The bytes hivemind's RSASignatureValidator would send for ``value``, signed by ``signer``."""
     value_bytes = MSGPackSerializer.dumps(value)

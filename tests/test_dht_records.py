@@ -533,16 +533,7 @@ def test_junk_subkeys_cannot_make_a_key_unreadable(swarm, attacker, new_node):
     honest.store.put(strike(honest, accused, banned=True, strikes=3, flags=3), ttl=STRIKE_TTL)
     key = KEYS.strikes(accused)
     expiration = get_dht_time() + 3600
-    junk = MSGPackSerializer.dumps(b"j" * 2048)
-    accepted = 0
-    for batch in range(4):
-        subkeys = [f"junk-{batch}-{i}".encode() for i in range(900)]
-        counts = attacker.dht.run_coroutine(
-            functools.partial(
-                raw_dht.raw_store_many, key=key, subkeys=subkeys, values=[junk] * len(subkeys), expiration=expiration
-            )
-        )
-        accepted += sum(c or 0 for c in counts)
+    accepted = sum(raw_dht.raw_store_junk(attacker.dht, key, 900, 2048, expiration, f"junk-{b}") for b in range(4))
     assert accepted == 0
     for node in swarm:
         records = node.store.strikes(accused)

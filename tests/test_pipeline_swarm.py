@@ -12,6 +12,7 @@ far ahead, an excluded peer, and every kind of malformed tensor; then a second t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 import time
@@ -27,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from raw_dht import raw_store_signed
 
 from dht import (
+    DHTUnavailable,
     Identity,
     RecordError,
     RoleCertificate,
@@ -231,7 +233,7 @@ class Peer:
 
     def record(self, kind: type, identity: Identity | None = None, **fields):
         identity = identity or self.identity
-        return kind(
+        common = dict(
             peer_id=identity.peer_id,
             maddrs=[str(m) for m in self.dht.get_visible_maddrs()],
             state="online",
@@ -240,8 +242,8 @@ class Peer:
             config_hash=self.config.swarm_hash(),
             version="test",
             time=get_dht_time(),
-            **fields,
         )
+        return kind(**{**common, **fields})
 
     def announce(self, kind: type, **fields) -> None:
         self.store.put(self.record(kind, **fields), ttl=self.config.swarm.announce_ttl)
@@ -356,9 +358,10 @@ def test_malformed_tensors_get_a_clear_error_a_strike_and_the_verifier_keeps_ser
     error = stranger.call(verifier, VERIFIER_RELAY, [stranger.activation(), stranger.tokens()], route)
     assert isinstance(error, HopBanned), error
     records = {}
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not (verifier in records and records[verifier].banned):
-        records = stranger.store.strikes(stranger.identity.peer_id)
+        with contextlib.suppress(DHTUnavailable):  # a read on a loaded machine may time out: read again
+            records = stranger.store.strikes(stranger.identity.peer_id)
         time.sleep(0.5)
     assert records[verifier].strikes == 3 and records[verifier].banned
 
@@ -401,8 +404,11 @@ def test_stage_checks_tensors_from_a_verifier_and_keeps_serving(demo):
 
 def test_a_flood_of_fake_verifiers_never_lands_and_training_keeps_its_pace(demo):
     assert demo.flooded == 0  # no peer stored any of the 100 announcements
-    after = [s for s in demo.steps if s["step"] > FLOOD_AT]
-    assert after and all(s["microbatches"] >= 3 for s in after), [(s["step"], s["microbatches"]) for s in after]
+    # every microbatch of every step between the flood and the attack gets through (the attacker's are dropped
+    # from ATTACK_START until its exclusion: the other tests look at those)
+    between = [s for s in demo.steps if FLOOD_AT < s["step"] < ATTACK_START]
+    assert len(between) == ATTACK_START - FLOOD_AT - 1
+    assert all(s["microbatches"] == demo.config.pipeline.microbatches_per_step for s in between), between
     assert demo.trainer_summary["accounting"]["failed"] == 0
     late = demo.scrapes[SCRAPE_AT[1]]  # read after the flood: every node counts the two real verifiers only
     assert late["trainer"][("sentinel_swarm_peers", "verifier")] == 2
@@ -459,11 +465,11 @@ def test_an_admitted_trainer_cannot_jump_the_count_either(demo):
     certificate = RoleCertificate.from_file(demo.certify("second-trainer"))
     peer = Peer(demo, load_identity_file(demo.swarm.identity("second-trainer")))
     try:
-        peer.announce(TrainerAnnouncement, global_step=STEPS, certificate=certificate)
         name = "stage0-0"
         last = demo.node(name).status().last_step
-        deadline = time.monotonic() + 20
-        while True:  # until the replica's view holds the new trainer
+        deadline = time.monotonic() + 60
+        while True:  # until the replica's view holds the new trainer (announced again, as an Announcer would)
+            peer.announce(TrainerAnnouncement, global_step=STEPS, certificate=certificate)
             error = peer.step(demo.peer(name), last + 1000)
             if "the swarm admits" not in str(error) or time.monotonic() > deadline:
                 break

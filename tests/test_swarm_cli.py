@@ -306,3 +306,20 @@ def test_metrics_port_and_relay_options_are_checked_before_anything_starts():
     help_text = CliRunner().invoke(main, ["join", "--help"]).output
     for option in ("--use-relay / --no-use-relay", "--use-auto-relay", "--state-dir", "--metrics-port"):
         assert option in help_text
+
+
+def test_a_bootstrap_on_a_random_port_with_a_kept_identity_warns(tmp_path):
+    """Issue 16: a bootstrap restarted on port 0 came back alone (the nodes that knew its old port could not find
+    it). The README's line gives it a fixed port; one started without says so."""
+    import dataclasses
+
+    from sentinel_node.roles.bootstrap import random_port_warning
+    from sentinel_node.roles.common import JoinOptions
+
+    options = JoinOptions(
+        config=load_config(None), identity_path=str(tmp_path / "boot.key"), host_maddrs=("/ip4/0.0.0.0/tcp/0",)
+    )
+    warning = random_port_warning(options)
+    assert warning is not None and "random port" in warning and "--host-maddrs /ip4/0.0.0.0/tcp/31337" in warning
+    assert random_port_warning(dataclasses.replace(options, host_maddrs=("/ip4/0.0.0.0/tcp/31337",))) is None
+    assert random_port_warning(dataclasses.replace(options, identity_path=None)) is None  # a new peer id anyway
