@@ -22,6 +22,7 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 _OWNER_TAG = re.compile(rb"^\[owner:(.+)\]$", re.DOTALL)
+_BASE58 = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")
 
 
 class IdentityError(ValueError):
@@ -117,3 +118,38 @@ def peer_id_from_public_key(public_key: bytes) -> str:
     encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
     digest = multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))
     return PeerID(digest).to_base58()
+
+
+def is_rsa_peer_id(text: str) -> bool:
+    """Whether ``text`` is the base58 peer id of an RSA key (a sha2-256 multihash, ``Qm...``): the only kind of
+    identity that can sign this swarm's records. A string of base58 letters is not enough."""
+    if not isinstance(text, str) or not _BASE58.match(text):
+        return False
+    try:
+        decoded = multihash.decode(PeerID.from_base58(text).to_bytes())
+    except Exception:  # base58 or multihash decoding of arbitrary text raises several types
+        return False
+    return decoded.code == multihash.coerce_code("sha2-256") and len(decoded.digest) == 32
+
+
+def peer_id_from_entry(entry: str, what: str) -> str:
+    """The peer id that a config entry names: a peer id (``Qm...``), an OpenSSH RSA public key (``ssh-rsa
+    AAAA...``) or an owner tag; ValueError naming ``what`` (e.g. "trusted verifier") and what to write instead."""
+    if not isinstance(entry, str):
+        raise ValueError(f"{what} {entry!r} must be a string: a peer id (Qm...) or an RSA public key")
+    text = entry.strip()
+    public_key = public_key_from_owner_tag(text.encode())
+    if public_key is None and text.startswith("ssh-rsa "):
+        public_key = text.encode()
+    if public_key is not None:
+        try:
+            return peer_id_from_public_key(public_key)
+        except IdentityError as e:
+            raise ValueError(f"{what} {entry[:40]!r}... is not a valid RSA public key: {e}") from None
+    if is_rsa_peer_id(text):
+        return text
+    raise ValueError(
+        f"{what} {entry[:60]!r} is neither a peer id (base58 of an RSA key's sha2-256 multihash, e.g. Qm...) nor an "
+        "RSA public key ('ssh-rsa AAAA...'); copy the peer id a node prints when it starts, or `sentinel-node swarm "
+        "peers` lists"
+    )

@@ -7,6 +7,11 @@
 | ``{prefix}.trainers``       | author's owner tag | TrainerAnnouncement   |
 | ``{prefix}.bootstraps``     | author's owner tag | BootstrapAnnouncement |
 | ``{prefix}.strikes.{peer}`` | verifier owner tag | StrikeRecord          |
+
+and hivemind's own averager keys for the replicas of stage k (prefix ``{prefix}_stage{k}``, default group bits):
+``{prefix}_stage{k}.0b`` (subkey: a peer id's bytes, value: looking for a group) and
+``{prefix}_stage{k}.all_averagers`` (subkey: a peer id's bytes, value: state-sharing priority or None). Nothing
+else lives in a swarm's DHT: every other key is read as a strike key.
 """
 
 from __future__ import annotations
@@ -52,3 +57,16 @@ class SwarmKeys:
 
     def strikes(self, accused: str) -> str:
         return f"{self.prefix}.strikes.{accused}"
+
+    def averager(self, stage: int) -> str:
+        """The prefix of the hivemind averager the replicas of ``stage`` average parameters with."""
+        self.stage(stage)  # the same range check
+        return f"{self.prefix}_stage{stage}"
+
+    def averager_group(self, stage: int) -> str:
+        """The averager's matchmaking key (hivemind's ``{prefix}.0b{group bits}``; our averagers use no bits)."""
+        return f"{self.averager(stage)}.0b"
+
+    def averager_state(self, stage: int) -> str:
+        """The averager's key of replicas offering their state for download."""
+        return f"{self.averager(stage)}.all_averagers"

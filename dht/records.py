@@ -4,6 +4,10 @@ Every record names its author (``peer_id``, or ``verifier`` for a strike record)
 the author's own owner-tag subkey and only under the key its content implies (:meth:`SwarmRecord.key`). Types are
 strict: an int where a float is due is refused rather than converted, so a record means the same to every reader.
 
+Numbers are finite and in range (a throughput of +inf once crashed every trainer's routing); what a record may
+claim beyond its own content (which stage exists, how long it lives, whether its author holds the role it claims)
+is checked against the swarm's rules in :mod:`dht.validation`.
+
 Records evolve without splitting the swarm: each carries the ``schema`` version its writer knows (:data:`SCHEMA`).
 A reader accepts fields it does not know only in a record of a newer schema than its own, and ignores them (as
 Petals' ``from_tuple`` ignores trailing fields); every field it does know is checked as strictly as ever. The
@@ -15,16 +19,25 @@ from __future__ import annotations
 from typing import ClassVar, Literal, Optional
 
 import pydantic.v1 as pydantic
-from pydantic.v1 import StrictBool, StrictFloat, confloat, conint, conlist, constr
+from pydantic.v1 import StrictBool, confloat, conint, conlist, constr
 
+from dht.admission import RoleCertificate
 from dht.keys import MAX_STAGES, SwarmKeys
 
 PeerIdStr = constr(strict=True, regex=r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")  # base58, as libp2p prints peer ids
 ShortStr = constr(strict=True, max_length=128)
 Maddr = constr(strict=True, min_length=1, max_length=512)
-Throughput = confloat(strict=True, ge=0)  # NaN fails ge=0, which is what we want
-Count = conint(strict=True, ge=0)
+# Generous bounds that no honest node reaches and that keep every sum and weight finite.
+MAX_THROUGHPUT = 1e12  # tokens per second
+MAX_COUNT = 2**53  # steps, checks, flags: exact in a float, far beyond any run
+MAX_LOSS = 1e6
+Throughput = confloat(strict=True, ge=0, le=MAX_THROUGHPUT, allow_inf_nan=False)
+Count = conint(strict=True, ge=0, le=MAX_COUNT)
+Step = conint(strict=True, ge=-1, le=MAX_COUNT)
 StageIndex = conint(strict=True, ge=0, lt=MAX_STAGES)
+FiniteFloat = confloat(strict=True, allow_inf_nan=False)
+Loss = confloat(strict=True, ge=0, le=MAX_LOSS, allow_inf_nan=False)
+MetricValue = confloat(strict=True, ge=-1e12, le=1e12, allow_inf_nan=False)
 
 State = Literal["joining", "online", "offline"]
 Direction = Literal["activation", "gradient"]
@@ -33,7 +46,7 @@ MAX_METRICS = 64
 
 # The record schema this code writes and understands in full. Raise it when a record type gains a field; readers
 # of an older schema then accept the newer records and ignore the field.
-SCHEMA = 1
+SCHEMA = 2  # 2: role certificates in trainer and verifier records; finite numbers
 MAX_UNKNOWN_FIELDS = 16
 MAX_FIELD_NAME = 64
 
@@ -42,12 +55,14 @@ class SwarmRecord(pydantic.BaseModel):
     """Fields every record carries."""
 
     author_field: ClassVar[str] = "peer_id"
+    # the role the author must be admitted to (dht.admission) for the record to count; None: open to anyone
+    role: ClassVar[Optional[str]] = None
 
     kind: str
     schema_: conint(strict=True, ge=1) = pydantic.Field(SCHEMA, alias="schema")
     config_hash: ShortStr
     version: ShortStr  # the writer's software version, for people
-    time: StrictFloat  # the author's hivemind.get_dht_time() when it wrote the record
+    time: FiniteFloat  # the author's hivemind.get_dht_time() when it wrote the record
 
     class Config:
         extra = pydantic.Extra.forbid
@@ -86,24 +101,38 @@ class StageAnnouncement(Announcement):
     stage: StageIndex
     # the last global step the replica applied (-1: none yet); a trainer joining a swarm whose trainers have all
     # gone resumes after it, since stages apply each global step once
-    last_step: conint(strict=True, ge=-1) = -1
+    last_step: Step = -1
+    # why its last checkpoint could not be written (disk full, ...), until one is; None: fine, or no checkpoints
+    checkpoint_problem: Optional[constr(strict=True, max_length=256)] = None
 
     def key(self, keys: SwarmKeys) -> str:
         return keys.stage(self.stage)
 
 
 class VerifierAnnouncement(Announcement):
+    role: ClassVar[Optional[str]] = "verifier"
+
     kind: Literal["verifier"] = "verifier"
     boundaries: conlist(StageIndex, max_items=MAX_STAGES)  # boundary b sits between stage b and stage b+1
+    certificate: Optional[RoleCertificate] = None  # the organiser's; None for a verifier the config lists
+
+    @pydantic.validator("boundaries")
+    def _sorted_unique(cls, boundaries: list[int]) -> list[int]:
+        if boundaries != sorted(set(boundaries)):
+            raise ValueError("boundaries must be sorted and unique")
+        return boundaries
 
     def key(self, keys: SwarmKeys) -> str:
         return keys.verifiers
 
 
 class TrainerAnnouncement(Announcement):
+    role: ClassVar[Optional[str]] = "trainer"
+
     kind: Literal["trainer"] = "trainer"
     global_step: Count
-    loss: Optional[StrictFloat] = None
+    loss: Optional[Loss] = None
+    certificate: Optional[RoleCertificate] = None  # the organiser's; None for a trainer the config lists
 
     def key(self, keys: SwarmKeys) -> str:
         return keys.trainers
@@ -120,6 +149,7 @@ class StrikeRecord(SwarmRecord):
     """One verifier's standing verdict on one peer; a newer record from the same verifier replaces it."""
 
     author_field: ClassVar[str] = "verifier"
+    role: ClassVar[Optional[str]] = "verifier"
 
     kind: Literal["strike"] = "strike"
     verifier: PeerIdStr
@@ -129,14 +159,24 @@ class StrikeRecord(SwarmRecord):
     strikes: Count
     checks: Count
     flags: Count
-    metrics: dict[constr(strict=True, max_length=64), StrictFloat]
+    metrics: dict[constr(strict=True, max_length=64), MetricValue]
     banned: StrictBool
+    certificate: Optional[RoleCertificate] = None  # the verifier's, as in its announcement
 
     @pydantic.validator("metrics")
     def _few_metrics(cls, metrics: dict) -> dict:
         if len(metrics) > MAX_METRICS:
             raise ValueError(f"at most {MAX_METRICS} metrics, got {len(metrics)}")
         return metrics
+
+    @pydantic.validator("flags")
+    def _flags_within_checks(cls, flags: int, values: dict) -> int:
+        # every flag is a check; strikes come from flags (forgiveness only ever removes them)
+        if "checks" in values and flags > values["checks"]:
+            raise ValueError(f"{flags} flags in {values['checks']} checks")
+        if "strikes" in values and values["strikes"] > flags:
+            raise ValueError(f"{values['strikes']} strikes from {flags} flags")
+        return flags
 
     def key(self, keys: SwarmKeys) -> str:
         return keys.strikes(self.accused)
@@ -150,15 +190,7 @@ RECORD_TYPES: dict[str, type[SwarmRecord]] = {
     "strike": StrikeRecord,
 }
 
-# Caps on how long a record may claim to live, against records that would never expire; generous because
-# validators must agree across the swarm without reading its config.
-MAX_TTL: dict[str, float] = {
-    "stage": 86400.0,
-    "verifier": 86400.0,
-    "trainer": 86400.0,
-    "bootstrap": 86400.0,
-    "strike": 30 * 86400.0,
-}
+ANNOUNCEMENT_KINDS = frozenset({"stage", "verifier", "trainer", "bootstrap"})
 
 
 def parse_record(value: object) -> SwarmRecord:

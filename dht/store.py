@@ -5,8 +5,9 @@ owner tag). ``store()``'s boolean is only a hint: it reports the last replica th
 caches its own value even when every other peer refused it. So ``put`` checks a record with the very rules peers
 apply before sending it, and the swarm relies on refreshing, not on acknowledgements.
 
-Reads re-check every record (a reader cannot trust the peers that served it), drop records of another swarm
-config with one warning per author, and give up at a deadline instead of waiting on an unresponsive DHT.
+Reads re-check every record against the swarm's rules (a reader cannot trust the peers that served it): records
+of unadmitted authors, of another swarm config (with one warning per author), out of range or claiming to live too
+long are dropped; reads give up at a deadline instead of waiting on an unresponsive DHT.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from dht.records import (
     TrainerAnnouncement,
     VerifierAnnouncement,
 )
-from dht.validation import RecordError, check_record, key_id
+from dht.rules import SwarmRules
+from dht.validation import ForeignConfigError, RecordError, check_record, key_id, record_bytes
 
 logger = get_logger(__name__)
 
@@ -47,18 +49,25 @@ class RecordStore:
     def __init__(
         self,
         dht: hivemind.DHT,
-        keys: SwarmKeys,
-        config_hash: str,
+        rules: SwarmRules,
         identity: Identity | None = None,
         timeout: float = 5.0,
     ):
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
-        self.dht, self.keys, self.config_hash, self.identity, self.timeout = dht, keys, config_hash, identity, timeout
+        self.dht, self.rules, self.identity, self.timeout = dht, rules, identity, timeout
         # DHT calls write to one pipe; threads (an announcer, a watcher) must not interleave their messages.
         self._send_lock = threading.Lock()
-        self._warned_authors: set[str] = set()
+        self._warned_authors: set[object] = set()
         self._warn_lock = threading.Lock()
+
+    @property
+    def keys(self) -> SwarmKeys:
+        return self.rules.keys
+
+    @property
+    def config_hash(self) -> str:
+        return self.rules.config_hash
 
     def put(self, record: SwarmRecord, ttl: float) -> bool:
         """Signs and stores ``record`` for ``ttl`` seconds; RecordError if peers would refuse it.
@@ -73,12 +82,16 @@ class RecordStore:
         if record.config_hash != self.config_hash:
             raise RecordError(f"record carries config hash {record.config_hash}, this swarm's is {self.config_hash}")
         key, value = record.key(self.keys), record.dict()
-        check_record(self.keys, key_id(key), self.identity.owner_tag, value)
+        now = get_dht_time()
+        check_record(self.rules, key_id(key), self.identity.owner_tag, value, now + ttl, now)
+        if record_bytes(value) > self.rules.max_record_bytes:
+            raise RecordError(
+                f"a {record.kind} record of {record_bytes(value)} bytes, over the {self.rules.max_record_bytes} "
+                "bytes peers store (announce fewer addresses)"
+            )
 
         with self._send_lock:
-            future = self.dht.store(
-                key, value, get_dht_time() + ttl, subkey=self.identity.owner_tag, return_future=True
-            )
+            future = self.dht.store(key, value, now + ttl, subkey=self.identity.owner_tag, return_future=True)
         try:
             acknowledged = bool(future.result(timeout=self.timeout))
         except FutureTimeout:
@@ -88,16 +101,25 @@ class RecordStore:
             logger.debug(f"no DHT peer acknowledged {record.kind} record under {key!r} (will be refreshed)")
         return acknowledged
 
-    def fetch(self, keys: Sequence[str], timeout: float | None = None) -> dict[str, dict[str, SwarmRecord]]:
-        """For each key, its valid records by author, all read in parallel; DHTUnavailable past the deadline."""
+    def fetch(
+        self, keys: Sequence[str], timeout: float | None = None, partial: bool = False
+    ) -> dict[str, dict[str, SwarmRecord]]:
+        """For each key, its valid records by author, all read in parallel; past the deadline, DHTUnavailable, or
+        with ``partial`` the keys answered so far (the others left out)."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._send_lock:
             futures = {key: self.dht.get(key, latest=True, return_future=True) for key in keys}
         results: dict[str, dict[str, SwarmRecord]] = {}
         try:
             for key, future in futures.items():
-                found = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                try:
+                    found = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    if not partial:
+                        raise
+                    continue
                 results[key] = self._decode(key, found)
+            return results
         except FutureTimeout:
             missing = [key for key in keys if key not in results]
             raise DHTUnavailable(
@@ -107,7 +129,6 @@ class RecordStore:
         finally:
             for future in futures.values():
                 future.cancel()
-        return results
 
     def get(self, key: str, record_type: type[R]) -> dict[str, R]:
         """The valid records of one type under ``key``, by author."""
@@ -136,26 +157,30 @@ class RecordStore:
             return {}
         records: dict[str, SwarmRecord] = {}
         record_key_id = key_id(key)
+        now = get_dht_time()
         for subkey, item in found.value.items():
             try:
-                record = check_record(self.keys, record_key_id, subkey, item.value)
+                record = check_record(self.rules, record_key_id, subkey, item.value, item.expiration_time, now)
+            except ForeignConfigError as e:
+                self._warn_foreign_config(subkey, e.config_hash)
+                continue
             except RecordError as e:
                 logger.debug(f"dropped a record under {key!r}: {e}")
                 continue
-            if record.config_hash != self.config_hash:
-                self._warn_foreign_config(record)
+            except Exception as e:  # a reader never crashes on a record, whatever a peer sent
+                logger.debug(f"dropped an unreadable record under {key!r}: {type(e).__name__}: {e}")
                 continue
             records[record.author] = record
         return records
 
-    def _warn_foreign_config(self, record: SwarmRecord) -> None:
+    def _warn_foreign_config(self, subkey: object, config_hash: str) -> None:
         with self._warn_lock:
-            if record.author in self._warned_authors:
+            if subkey in self._warned_authors or len(self._warned_authors) > 256:
                 return
-            self._warned_authors.add(record.author)
+            self._warned_authors.add(subkey)
         logger.warning(
-            f"ignoring records of {record.author}: they carry config hash {record.config_hash}, this node runs "
-            f"{self.config_hash} (that peer uses another swarm config; both must use the same file)"
+            f"ignoring records of a peer of config {config_hash[:40]}, this node runs {self.config_hash} (that peer "
+            "uses another swarm config; both must use the same file)"
         )
 
 

@@ -1,30 +1,60 @@
-"""The record validators every node of the swarm must run, and the check they share with writers.
+"""The record validator every node of the swarm runs, and the checks it shares with writers and readers.
 
-Every node must run the same validators: a node lacking the signature validator hangs in ``get()`` on signed
-keys, and one disagreeing with the others rejects whole dictionaries it is sent. So nothing here reads the swarm
-config beyond its prefix.
+The swarm's namespace is closed. The DHT hashes keys, but every key of a swarm is known: the fixed keys (stage k
+for k < n_stages, verifiers, trainers, bootstraps) and hivemind's averager keys of each stage are enumerated
+from the rules, and every other key can only be a strike key, ``{prefix}.strikes.{accused}``, whose hash a strike
+record implies by its content. So every key accepts exactly one value shape:
+
+- swarm records (:func:`check_record`): a dictionary of records, each under its author's owner-tag subkey,
+  signed, of this swarm's config, finite and in range, living no longer than its type's TTL, written by an
+  author admitted to the record's role (dht.admission), at most ``max_record_bytes`` each;
+- averager keys (:func:`check_averager_entry`): hivemind's own unsigned entries, under a peer id's bytes, a bool or
+  a finite number, living minutes at most;
+- never a plain (non-dictionary) value: one with a later expiration replaces a key's whole dictionary, which is
+  how a ban was once erased.
+
+Every node must run the same validator over the same config: a node lacking the signature validator hangs in
+``get()`` on signed keys, and one that disagrees with the others refuses whole dictionaries it is sent.
 """
 
 from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.utils import get_dht_time, get_logger
+from hivemind.utils import MSGPackSerializer, get_dht_time, get_logger
 
+from dht.admission import admission_problem
 from dht.identity import Identity, IdentityError, peer_id_from_public_key, public_key_from_owner_tag
-from dht.keys import MAX_STAGES, SwarmKeys
-from dht.records import MAX_TTL, RECORD_TYPES, SwarmRecord, parse_record
+from dht.records import (
+    StageAnnouncement,
+    StrikeRecord,
+    SwarmRecord,
+    VerifierAnnouncement,
+    parse_record,
+)
+from dht.rules import AVERAGER_MAX_TTL, CLOCK_SLACK, MAX_SUBKEY_BYTES, SwarmRules
 
 logger = get_logger(__name__)
 
-# Peers' clocks may disagree by a few seconds (hivemind allows 3); a record's lifetime is checked with this slack.
-CLOCK_SLACK = 60.0
+# hivemind's signature suffix on a stored value: b"[signature:" + 256 bytes + b"]"
+SIGNATURE_BYTES = 268
 
 
 class RecordError(ValueError):
     """A record the swarm's validators would reject; the message says why."""
+
+
+class ForeignConfigError(RecordError):
+    """A well-formed record written under another swarm config (``config_hash`` names it)."""
+
+    def __init__(self, message: str, config_hash: str) -> None:
+        super().__init__(message)
+        self.config_hash = config_hash
 
 
 def key_id(key: str) -> bytes:
@@ -32,9 +62,42 @@ def key_id(key: str) -> bytes:
     return DHTID.generate(source=key).to_bytes()
 
 
-def check_record(keys: SwarmKeys, record_key_id: bytes, subkey: object, value: object) -> SwarmRecord:
-    """The record, if ``value`` is a well-formed record whose author owns ``subkey`` and whose content implies
-    the key; RecordError otherwise. Signatures are checked separately, by hivemind's RSASignatureValidator."""
+@dataclass(frozen=True)
+class AveragerEntry:
+    """One of hivemind's averager declarations: ``peer`` (a peer id's bytes) in the group or state key of
+    ``stage``."""
+
+    stage: int
+    kind: str  # "group" (looking for a group: bool) or "state" (offering its state: priority or None)
+    peer: bytes
+    value: object
+
+
+class Namespace:
+    """The key ids of one swarm: fixed, averager, and (everything else) strike keys."""
+
+    def __init__(self, rules: SwarmRules) -> None:
+        keys = rules.keys
+        fixed = [keys.stage(k) for k in range(rules.n_stages)] + [keys.verifiers, keys.trainers, keys.bootstraps]
+        self.fixed = frozenset(key_id(key) for key in fixed)
+        self.averager: dict[bytes, tuple[int, str]] = {}
+        for k in range(rules.n_stages):
+            self.averager[key_id(keys.averager_group(k))] = (k, "group")
+            self.averager[key_id(keys.averager_state(k))] = (k, "state")
+
+
+def check_record(
+    rules: SwarmRules,
+    record_key_id: bytes,
+    subkey: object,
+    value: object,
+    expiration: float,
+    now: float | None = None,
+) -> SwarmRecord:
+    """The record, if ``value`` is one that this swarm's validators accept under ``record_key_id`` and ``subkey``
+    with ``expiration``; RecordError (ForeignConfigError for another config's record) saying why otherwise.
+    Signatures are checked separately, by hivemind's RSASignatureValidator."""
+    now = get_dht_time() if now is None else now
     public_key = public_key_from_owner_tag(subkey) if isinstance(subkey, bytes) else None
     if public_key is None:
         raise RecordError("the subkey must be exactly the author's owner tag [owner:<public key>]")
@@ -45,46 +108,120 @@ def check_record(keys: SwarmKeys, record_key_id: bytes, subkey: object, value: o
         raise RecordError(str(e)) from None
     if record.author != owner:
         raise RecordError(f"the record speaks for {record.author} but is owned by {owner}")
-    expected_key = record.key(keys)
+    _check_place(rules, record)
+    expected_key = record.key(rules.keys)
     if key_id(expected_key) != record_key_id:
         raise RecordError(f"a {record.kind} record about its content belongs under {expected_key!r} only")
+    if record.config_hash != rules.config_hash:
+        raise ForeignConfigError(
+            f"a {record.kind} record of config {record.config_hash}, this swarm's is {rules.config_hash}",
+            record.config_hash,
+        )
+    _check_times(rules, record, expiration, now)
+    _check_admission(rules, record, expiration)
     return record
 
 
+def _check_place(rules: SwarmRules, record: SwarmRecord) -> None:
+    """Stages and boundaries that this swarm has."""
+    if isinstance(record, StageAnnouncement) and record.stage >= rules.n_stages:
+        raise RecordError(f"stage {record.stage} does not exist: the swarm has {rules.n_stages} stages")
+    if isinstance(record, VerifierAnnouncement) and any(b >= rules.n_boundaries for b in record.boundaries):
+        raise RecordError(f"boundaries {record.boundaries}: the swarm has {rules.n_boundaries} boundaries")
+    if isinstance(record, StrikeRecord) and record.boundary >= rules.n_boundaries:
+        raise RecordError(f"boundary {record.boundary} does not exist: the swarm has {rules.n_boundaries}")
+
+
+def _check_times(rules: SwarmRules, record: SwarmRecord, expiration: float, now: float) -> None:
+    ttl = rules.ttl(record.kind)
+    if not expiration <= now + ttl + CLOCK_SLACK:
+        raise RecordError(f"a {record.kind} record may live {ttl:.0f}s, this one claims {expiration - now:.0f}s")
+    if not record.time <= now + CLOCK_SLACK:
+        raise RecordError(f"a {record.kind} record written {record.time - now:.0f}s in the future")
+    if not record.time >= expiration - ttl - CLOCK_SLACK:
+        raise RecordError(f"a {record.kind} record written long before the lifetime it claims began")
+
+
+def _check_admission(rules: SwarmRules, record: SwarmRecord, expiration: float) -> None:
+    if record.role is None:
+        return
+    if isinstance(record, VerifierAnnouncement):
+        boundaries = record.boundaries
+    elif isinstance(record, StrikeRecord):
+        boundaries = [record.boundary]
+    else:
+        boundaries = []
+    certificate = record.certificate
+    problem = admission_problem(rules.trust, rules.prefix, record.role, record.author, certificate, boundaries)
+    if problem is not None:
+        raise RecordError(problem)
+    listed = record.author in rules.trust.listed(record.role)
+    if certificate is not None and not listed and expiration > certificate.expires + CLOCK_SLACK:
+        raise RecordError(f"a {record.kind} record of {record.author} outlives its certificate")
+
+
+def check_averager_entry(
+    stage_and_kind: tuple[int, str], subkey: object, value: object, expiration: float, now: float
+) -> AveragerEntry:
+    """An averager declaration as hivemind writes it; RecordError otherwise."""
+    stage, kind = stage_and_kind
+    # RSA peer ids are sha2-256 multihashes: 0x12 0x20 and 32 bytes
+    if not (isinstance(subkey, bytes) and len(subkey) == 34 and subkey[:2] == b"\x12\x20"):
+        raise RecordError("an averager entry's subkey is a peer id's bytes")
+    if kind == "group" and not isinstance(value, bool):
+        raise RecordError("an averager's group entry is a bool")
+    if kind == "state" and not (value is None or (type(value) in (int, float) and abs(value) < 1e12)):
+        raise RecordError("an averager's state entry is a finite priority or None")
+    if not expiration <= now + AVERAGER_MAX_TTL + CLOCK_SLACK:
+        raise RecordError(f"an averager entry may live {AVERAGER_MAX_TTL:.0f}s")
+    return AveragerEntry(stage, kind, subkey, value)
+
+
 class SwarmRecordValidator(RecordValidatorBase):
-    """Accepts a record under a swarm key only if :func:`check_record` does.
+    """Accepts a DHT record only if it fits this swarm's namespace (see the module docstring)."""
 
-    The DHT hashes keys, so strike keys (one per accused peer) cannot be recognised; a record under an unknown
-    key is checked when it claims to be a swarm record (owner-tag subkey, known ``kind``) and let through
-    otherwise, for the other users of the DHT. Readers drop what does not parse (see ``dht.store``).
-    """
-
-    def __init__(self, prefix: str):
-        self._keys = SwarmKeys(prefix)
-        fixed = [self._keys.stage(k) for k in range(MAX_STAGES)]
-        fixed += [self._keys.verifiers, self._keys.trainers, self._keys.bootstraps]
-        self._fixed_key_ids = frozenset(key_id(key) for key in fixed)
+    def __init__(self, rules: SwarmRules):
+        self.rules = rules
+        self._namespace = Namespace(rules)
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
 
     def validate(self, record: DHTRecord) -> bool:
-        ours = record.key in self._fixed_key_ids
+        if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
+            logger.debug("refused a plain value: every key of the swarm holds a dictionary")
+            return False
+        if len(record.subkey) > MAX_SUBKEY_BYTES or len(record.value) > self.rules.max_record_bytes:
+            logger.debug(f"refused a record of {len(record.value)} bytes (subkey {len(record.subkey)})")
+            return False
         try:
-            subkey = None
-            if record.subkey not in DHTProtocol.RESERVED_SUBKEYS:
-                subkey = DHTProtocol.serializer.loads(record.subkey)
+            subkey = DHTProtocol.serializer.loads(record.subkey)
             value = DHTProtocol.serializer.loads(record.value)
         except Exception:  # msgpack raises many types on garbage
-            return not ours
-        if not ours and not _claims_swarm_record(subkey, value):
-            return True
-        try:
-            parsed = check_record(self._keys, record.key, subkey, value)
-        except RecordError as e:
-            logger.debug(f"rejected a record: {e}")
             return False
-        if record.expiration_time > get_dht_time() + MAX_TTL[parsed.kind] + CLOCK_SLACK:
-            logger.debug(f"rejected a {parsed.kind} record from {parsed.author}: it claims to live too long")
+        now = get_dht_time()
+        try:
+            averager = self._namespace.averager.get(record.key)
+            if averager is not None:
+                check_averager_entry(averager, subkey, value, record.expiration_time, now)
+            else:
+                check_record(self.rules, record.key, subkey, value, record.expiration_time, now)
+        except ForeignConfigError as e:
+            self._warn_foreign(e.config_hash)
+            return False
+        except RecordError as e:
+            logger.debug(f"refused a record: {e}")
             return False
         return True
+
+    def _warn_foreign(self, config_hash: str) -> None:
+        with self._lock:
+            if config_hash in self._warned or len(self._warned) > 64:
+                return
+            self._warned.add(config_hash)
+        logger.warning(
+            f"refusing records of swarm config {config_hash[:40]}: this node runs {self.rules.config_hash} (a peer "
+            "uses another swarm config file under the same prefix; every node of a swarm must use the same file)"
+        )
 
     @property
     def priority(self) -> int:
@@ -92,19 +229,15 @@ class SwarmRecordValidator(RecordValidatorBase):
         return 5
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
-        # Two instances for one prefix are one validator; for different prefixes both must apply.
-        return isinstance(other, SwarmRecordValidator) and other._keys == self._keys
+        # Two instances with the same rules are one validator; with different rules both must apply.
+        return isinstance(other, SwarmRecordValidator) and other.rules == self.rules
 
 
-def _claims_swarm_record(subkey: object, value: object) -> bool:
-    return (
-        isinstance(subkey, bytes)
-        and public_key_from_owner_tag(subkey) is not None
-        and isinstance(value, dict)
-        and value.get("kind") in RECORD_TYPES
-    )
+def record_bytes(value: object) -> int:
+    """The bytes a record's value takes in the DHT once signed."""
+    return len(MSGPackSerializer.dumps(value)) + SIGNATURE_BYTES
 
 
-def swarm_validators(prefix: str, identity: Identity) -> list[RecordValidatorBase]:
+def swarm_validators(rules: SwarmRules, identity: Identity) -> list[RecordValidatorBase]:
     """The validators to pass to ``hivemind.DHT(record_validators=...)`` on every node of the swarm."""
-    return [RSASignatureValidator(identity.private_key), SwarmRecordValidator(prefix)]
+    return [RSASignatureValidator(identity.private_key), SwarmRecordValidator(rules)]

@@ -1,15 +1,17 @@
 """The peer society: who is who, routing choice, strikes and exclusion."""
 
 from peers.ledger import StrikeLedger
-from peers.liveness import BackoffParams, LivenessBlacklist
-from peers.policy import Exclusion, ExclusionParams, ExclusionPolicy, verifier_peer_id
+from peers.liveness import BackoffParams, LivenessBlacklist, PairBlacklist
+from peers.policy import DEFAULT_MIN_VOTER_AGE, Exclusion, ExclusionParams, ExclusionPolicy, verifier_peer_id
 from peers.routing import (
     MAX_ALTERNATES,
+    Apart,
     NoRouteError,
     Route,
     RouteHop,
     choose_route,
     expand,
+    never_apart,
     order_candidates,
     pick,
     pick_replica,
@@ -18,7 +20,11 @@ from peers.routing import (
 from peers.view import Health, SwarmView, SwarmWatcher
 
 __all__ = [
+    "DEFAULT_MIN_VOTER_AGE",
     "MAX_ALTERNATES",
+    "Apart",
+    "PairBlacklist",
+    "never_apart",
     "BackoffParams",
     "Exclusion",
     "ExclusionParams",

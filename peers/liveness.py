@@ -64,3 +64,34 @@ class LivenessBlacklist:
         with self._lock:
             now = self._clock()
             return {peer: until - now for peer, until in self._until.items() if until > now}
+
+
+class PairBlacklist:
+    """Pairs of peers kept apart for a while (with the same backoff): a verifier that refused, or banned, a stage
+    replica below the swarm's quorum will refuse it again, so a route should not put the two next to each other.
+
+    Order does not matter: ``apart(a, b) == apart(b, a)``.
+    """
+
+    def __init__(
+        self, params: BackoffParams = BackoffParams(5.0, 2.0, 120.0), clock: Callable[[], float] = time.monotonic
+    ):
+        self._pairs = LivenessBlacklist(params, clock)
+
+    @staticmethod
+    def _key(a: str, b: str) -> str:
+        return "|".join(sorted((a, b)))
+
+    def register_refusal(self, a: str, b: str) -> float:
+        """Keeps ``a`` and ``b`` apart; returns for how many seconds."""
+        return self._pairs.register_failure(self._key(a, b))
+
+    def register_success(self, a: str, b: str) -> None:
+        self._pairs.register_success(self._key(a, b))
+
+    def apart(self, a: str, b: str) -> bool:
+        return self._key(a, b) in self._pairs
+
+    def pairs(self) -> dict[str, float]:
+        """The pairs kept apart (``a|b``) and the seconds each has left."""
+        return self._pairs.suspended()

@@ -1,48 +1,50 @@
-"""The exclusion policy: when a peer is shut out of the swarm (docs/architecture.md section 6).
+"""The exclusion policy: when a peer is shut out of the swarm (docs/architecture.md section 6, docs/security.md).
 
-A peer is excluded while ``ban_quorum`` distinct verifiers that the swarm trusts hold a live ban on it. With an
-open verifier set (no trusted list) any verifier's ban counts, so the quorum must be at least 2: one lying verifier
-must not be able to frame an honest peer. Exclusion lifts when the ban records expire.
+A peer is excluded while ``ban_quorum`` distinct admitted verifiers hold a live ban on it. A verifier is admitted by
+the swarm's trust roots: the config lists it (``trusted_verifiers``), or it holds a certificate signed by the
+organiser covering the boundary of its ban (carried in the strike record itself, so any reader checks it offline).
+
+An open verifier set (``open_verifiers``, an explicit opt-in) also counts other verifiers, but only those that the
+reader has itself seen announced for at least ``min_voter_age`` seconds and that are not excluded themselves; the
+quorum must then be at least 2, so that one lying verifier cannot frame an honest peer. What an open set cannot stop
+(an attacker who runs ``ban_quorum`` patient verifiers) is said in docs/security.md. Exclusion lifts when the ban
+records expire.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from dht.identity import IdentityError, peer_id_from_public_key, public_key_from_owner_tag
+from dht.admission import TrustRoots, admission_problem
+from dht.identity import peer_id_from_entry
 from dht.records import StrikeRecord
 from peers.ledger import StrikeLedger
 
-_PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")
+# An open set's voters must have been seen announced this long by the reader (several announce periods, and more
+# than a throwaway key that was never announced can show).
+DEFAULT_MIN_VOTER_AGE = 120.0
 
 
 def verifier_peer_id(entry: str) -> str:
     """The peer id named by a trusted-verifier entry: a peer id, an OpenSSH RSA public key, or an owner tag."""
-    text = entry.strip()
-    public_key = public_key_from_owner_tag(text.encode())
-    if public_key is None and text.startswith("ssh-rsa "):
-        public_key = text.encode()
-    if public_key is not None:
-        try:
-            return peer_id_from_public_key(public_key)
-        except IdentityError as e:
-            raise ValueError(f"trusted verifier {entry[:40]!r}... is not a valid RSA public key: {e}") from None
-    if _PEER_ID.match(text):
-        return text
-    raise ValueError(
-        f"trusted verifier {entry[:60]!r} is neither a peer id (base58, e.g. Qm...) nor an RSA public key "
-        "('ssh-rsa AAAA...'); copy the verifier's peer id from `sentinel-node swarm peers`"
-    )
+    return peer_id_from_entry(entry, "trusted verifier")
 
 
 @dataclass(frozen=True)
 class ExclusionParams:
-    """Who may vote and how many votes exclude; checked on creation, with the offending value named."""
+    """Who may vote and how many votes exclude; checked on creation, with the offending value named.
+
+    ``organiser`` is the organiser's OpenSSH public key (certificates it signed admit verifiers); ``prefix`` the
+    swarm that certificates must name.
+    """
 
     trusted_verifiers: tuple[str, ...] = ()
     ban_quorum: int = 2
+    open_verifiers: bool = False
+    organiser: str | None = None
+    prefix: str = ""
+    min_voter_age: float = DEFAULT_MIN_VOTER_AGE
     trusted_peer_ids: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -50,12 +52,20 @@ class ExclusionParams:
         object.__setattr__(self, "trusted_peer_ids", frozenset(map(verifier_peer_id, self.trusted_verifiers)))
         if isinstance(self.ban_quorum, bool) or not isinstance(self.ban_quorum, int) or self.ban_quorum < 1:
             raise ValueError(f"ban_quorum must be an integer of at least 1, got {self.ban_quorum!r}")
-        if not self.trusted_peer_ids and self.ban_quorum < 2:
+        if self.min_voter_age < 0:
+            raise ValueError(f"min_voter_age must not be negative, got {self.min_voter_age}")
+        if self.open_verifiers and self.ban_quorum < 2:
             raise ValueError(
-                "ban_quorum must be at least 2 with an open verifier set (trusted_verifiers empty), "
+                "ban_quorum must be at least 2 with an open verifier set (open_verifiers: true), "
                 "so that one lying verifier cannot frame an honest peer"
             )
-        if self.trusted_peer_ids and self.ban_quorum > len(self.trusted_peer_ids):
+        # (a swarm that admits no verifier at all is valid here: nodes that need one say so when they join)
+        if (
+            not self.open_verifiers
+            and self.organiser is None
+            and self.trusted_peer_ids
+            and self.ban_quorum > len(self.trusted_peer_ids)
+        ):
             raise ValueError(
                 f"ban_quorum={self.ban_quorum} exceeds the {len(self.trusted_peer_ids)} distinct trusted verifiers: "
                 "no peer could ever be excluded; lower ban_quorum or trust more verifiers"
@@ -63,7 +73,13 @@ class ExclusionParams:
 
     @property
     def open(self) -> bool:
-        return not self.trusted_peer_ids
+        return self.open_verifiers
+
+    @property
+    def closed_trust(self) -> TrustRoots:
+        """The verifiers this swarm admits without an open set: listed ones and certificate holders."""
+        organiser = None if self.organiser is None else self.organiser.strip().encode()
+        return TrustRoots(organiser=organiser, verifiers=self.trusted_peer_ids)
 
 
 @dataclass(frozen=True)
@@ -83,22 +99,39 @@ class ExclusionPolicy:
 
     def __init__(self, params: ExclusionParams):
         self.params = params
+        self._trust = params.closed_trust
 
-    def counts(self, record: StrikeRecord) -> bool:
-        """Whether ``record`` is a vote for exclusion: a ban by a verifier this swarm listens to."""
+    def admitted(self, record: StrikeRecord) -> bool:
+        """Whether the record's verifier is admitted for the record's boundary without an open set."""
+        problem = admission_problem(
+            self._trust, self.params.prefix, "verifier", record.verifier, record.certificate, [record.boundary]
+        )
+        return problem is None
+
+    def counts(self, record: StrikeRecord, open_voters: Collection[str] = ()) -> bool:
+        """Whether ``record`` is a vote for exclusion: a ban, not on its own author, by an admitted verifier or
+        (open set) by one of ``open_voters``, the verifiers the reader has seen long enough in good standing."""
         if not record.banned or record.verifier == record.accused:
             return False
-        return self.params.open or record.verifier in self.params.trusted_peer_ids
+        if self.admitted(record):
+            return True
+        return self.params.open and record.verifier in open_voters
 
-    def votes(self, ledger: StrikeLedger, peer: str) -> tuple[StrikeRecord, ...]:
+    def votes(self, ledger: StrikeLedger, peer: str, open_voters: Collection[str] = ()) -> tuple[StrikeRecord, ...]:
         """The counted bans on ``peer``, one per verifier (the ledger holds one record per verifier)."""
-        return tuple(record for record in ledger.about(peer) if self.counts(record))
+        return tuple(record for record in ledger.about(peer) if self.counts(record, open_voters))
 
-    def excluded(self, ledger: StrikeLedger) -> Mapping[str, Exclusion]:
-        """Every peer with at least ``ban_quorum`` counted bans, with those bans."""
-        exclusions = {}
-        for peer in ledger.accused():
-            votes = self.votes(ledger, peer)
-            if len(votes) >= self.params.ban_quorum:
-                exclusions[peer] = Exclusion(peer, votes)
-        return exclusions
+    def excluded(self, ledger: StrikeLedger, open_voters: Collection[str] = ()) -> Mapping[str, Exclusion]:
+        """Every peer with at least ``ban_quorum`` counted bans, with those bans. An open voter that is itself
+        excluded loses its vote (repeated until nothing changes)."""
+        voters = set(open_voters)
+        while True:
+            exclusions = {}
+            for peer in ledger.accused():
+                votes = self.votes(ledger, peer, voters)
+                if len(votes) >= self.params.ban_quorum:
+                    exclusions[peer] = Exclusion(peer, votes)
+            standing = voters - set(exclusions)
+            if standing == voters:
+                return exclusions
+            voters = standing

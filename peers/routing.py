@@ -2,11 +2,15 @@
 
 Candidates are live (online, not excluded), not suspended by the liveness blacklist and not in the caller's
 ``avoid`` set; direct peers are preferred over relayed ones, and among those the pick is weighted by announced
-throughput, so faster peers get proportionally more microbatches.
+throughput, so faster peers get proportionally more microbatches. Weights are sanitized (a record read through
+another path, or built in memory, may hold anything): a weight that is not a finite positive number counts as
+zero. A caller may also keep pairs of peers apart (``apart``: a verifier that refused a stage replica is not put
+next to it again for a while).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -22,6 +26,14 @@ A = TypeVar("A", bound=Announcement)
 MIN_WEIGHT_SHARE = 0.01
 # Each hop of a route names this many other candidates, for the peer calling it to retry on.
 MAX_ALTERNATES = 2
+# Routes drawn at random before giving up on keeping every ``apart`` pair apart.
+APART_TRIES = 16
+
+Apart = Callable[[str, str], bool]  # (peer, neighbour) -> True when the two must not be adjacent on a route
+
+
+def never_apart(_a: str, _b: str) -> bool:
+    return False
 
 
 class NoRouteError(RuntimeError):
@@ -58,11 +70,19 @@ def pick(
     pool = direct or usable
     if not pool:
         return None
-    fastest = max(c.throughput for c in pool)
+    rates = [_rate(c) for c in pool]
+    fastest = max(rates)
     if fastest <= 0:
         return rng.choice(pool)
-    weights = [max(c.throughput, fastest * MIN_WEIGHT_SHARE) for c in pool]
+    weights = [max(rate, fastest * MIN_WEIGHT_SHARE) for rate in rates]
     return rng.choices(pool, weights=weights, k=1)[0]
+
+
+def _rate(candidate: Announcement) -> float:
+    rate = getattr(candidate, "throughput", 0.0)
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate) or rate <= 0:
+        return 0.0
+    return min(float(rate), 1e12)
 
 
 def pick_replica(
@@ -99,12 +119,44 @@ def choose_route(
     rng: random.Random | None = None,
     blacklist: LivenessBlacklist | None = None,
     avoid: Collection[str] = (),
+    apart: Apart = never_apart,
 ) -> Route:
-    """A full route through every stage and boundary of ``view``; NoRouteError naming the first gap."""
+    """A full route through every stage and boundary of ``view``; NoRouteError naming the first gap. Adjacent
+    peers of the route are kept ``apart`` when some route allows it (else the pairs are ignored: a route that may
+    be refused again beats none)."""
     rng = rng or random.Random()
     stages = tuple(pick_replica(view, k, rng, blacklist, avoid) for k in range(view.n_stages))
     verifiers = tuple(pick_verifier(view, b, rng, blacklist, avoid) for b in range(view.n_stages - 1))
+    if apart is never_apart:
+        return Route(stages, verifiers)
+    for _ in range(APART_TRIES):
+        route = _route_apart(view, rng, blacklist, avoid, apart)
+        if route is not None:
+            return route
     return Route(stages, verifiers)
+
+
+def _route_apart(
+    view: SwarmView, rng: random.Random, blacklist: LivenessBlacklist | None, avoid: Collection[str], apart: Apart
+) -> Route | None:
+    """One random route, hop by hop, each hop chosen among the candidates not kept apart from the hop before it
+    (and, for a verifier, from the replica after it); None when some hop has none."""
+    stages: list[StageAnnouncement] = []
+    verifiers: list[VerifierAnnouncement] = []
+    for k in range(view.n_stages):
+        previous = verifiers[-1].peer_id if verifiers else None
+        replicas = [a for a in view.live_replicas(k) if previous is None or not apart(previous, a.peer_id)]
+        stage = pick(replicas, rng, blacklist, avoid)
+        if stage is None:
+            return None
+        stages.append(stage)
+        if k < view.n_stages - 1:
+            candidates = [v for v in view.live_verifiers(k) if not apart(stage.peer_id, v.peer_id)]
+            verifier = pick(candidates, rng, blacklist, avoid)
+            if verifier is None:
+                return None
+            verifiers.append(verifier)
+    return Route(tuple(stages), tuple(verifiers))
 
 
 def _why(announced: Collection[Announcement], view: SwarmView) -> str:

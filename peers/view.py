@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from hivemind.utils import get_dht_time
@@ -61,6 +61,8 @@ class SwarmView:
     ledger: StrikeLedger = field(default_factory=StrikeLedger)
     excluded: Mapping[str, Exclusion] = field(default_factory=dict)
     time: float = 0.0  # hivemind.get_dht_time() when the reads finished
+    # open verifier set: the verifiers whose bans count, having been seen announced long enough (peers.policy)
+    open_voters: frozenset[str] = frozenset()
 
     def is_excluded(self, peer: str) -> bool:
         return peer in self.excluded
@@ -83,6 +85,19 @@ class SwarmView:
         found += [a for _, a in sorted(self.trainers.items())]
         return found
 
+    def step_estimate(self, exclude: str | None = None) -> int:
+        """The swarm's last applied global step as its live stage replicas announce it, robust to a minority of
+        liars: the lower median over stages of each stage's lower median (``exclude``: a replica asking about the
+        others). -1 when no replica has applied a step (or none is announced)."""
+        per_stage = []
+        for k in range(self.n_stages):
+            steps = sorted(a.last_step for a in self.live_replicas(k) if a.peer_id != exclude)
+            if steps:
+                per_stage.append(steps[(len(steps) - 1) // 2])
+        if not per_stage:
+            return -1
+        return sorted(per_stage)[(len(per_stage) - 1) // 2]
+
     def health(self) -> Health:
         return Health(
             stages_without_replica=tuple(k for k in range(self.n_stages) if not self.live_replicas(k)),
@@ -93,16 +108,27 @@ class SwarmView:
 class SwarmWatcher:
     """Builds :class:`SwarmView` snapshots from the DHT; each :meth:`refresh` is two bounded rounds of reads.
 
-    Strike records are kept per accused peer, so the watcher asks about every announced peer, plus peers it saw
-    accused before (a banned peer that stops announcing stays excluded while the bans live).
+    The store has already dropped every record the swarm's rules refuse (unadmitted trainers and verifiers among
+    them). Strike records are kept per accused peer, so the watcher asks about every announced peer, plus peers it
+    saw accused before (a banned peer that stops announcing stays excluded while the bans live); strike keys that
+    do not answer in time keep the records last read from them, so a flood of announcements slows a refresh down
+    but never blanks the ledger. With an open verifier set it remembers when it first saw each verifier announced
+    (``clock``: seconds), for the policy's minimum voter age.
     """
 
-    def __init__(self, store: RecordStore, n_stages: int, policy: ExclusionPolicy):
+    def __init__(
+        self,
+        store: RecordStore,
+        n_stages: int,
+        policy: ExclusionPolicy,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if not 1 <= n_stages <= MAX_STAGES:
             raise ValueError(f"n_stages must be in [1, {MAX_STAGES}], got {n_stages}")
-        self.store, self.n_stages, self.policy = store, n_stages, policy
+        self.store, self.n_stages, self.policy, self.clock = store, n_stages, policy, clock
         self._view = SwarmView(n_stages)
         self._accused: set[str] = set()
+        self._first_seen: dict[str, float] = {}
         self._lock = threading.Lock()
 
     @property
@@ -118,21 +144,35 @@ class SwarmWatcher:
         keys = self.store.keys
         stage_keys = [keys.stage(k) for k in range(self.n_stages)]
         found = self.store.fetch([*stage_keys, keys.verifiers, keys.trainers, keys.bootstraps])
-        stages = {k: _of_type(found[key], StageAnnouncement) for k, key in enumerate(stage_keys)}
-        verifiers = _of_type(found[keys.verifiers], VerifierAnnouncement)
-        trainers = _of_type(found[keys.trainers], TrainerAnnouncement)
-        bootstraps = _of_type(found[keys.bootstraps], BootstrapAnnouncement)
-
         with self._lock:
             suspects = set(self._accused)
+            before = self._view
+            previous = before.ledger
+        now = get_dht_time()
+        stages = {
+            k: self._kept(before.stages.get(k, {}), _of_type(found[key], StageAnnouncement), now)
+            for k, key in enumerate(stage_keys)
+        }
+        verifiers = self._kept(before.verifiers, _of_type(found[keys.verifiers], VerifierAnnouncement), now)
+        trainers = self._kept(before.trainers, _of_type(found[keys.trainers], TrainerAnnouncement), now)
+        bootstraps = self._kept(before.bootstraps, _of_type(found[keys.bootstraps], BootstrapAnnouncement), now)
+
         for replicas in stages.values():
             suspects.update(replicas)
         suspects.update(verifiers, trainers, also_ask_about)
         strike_keys = {peer: keys.strikes(peer) for peer in sorted(suspects)}
-        strikes = self.store.fetch(list(strike_keys.values()), timeout=max(0.0, deadline - time.monotonic()))
-        ledger = StrikeLedger.from_records(
-            record for key in strike_keys.values() for record in _of_type(strikes[key], StrikeRecord).values()
+        strikes = self.store.fetch(
+            list(strike_keys.values()), timeout=max(0.0, deadline - time.monotonic()), partial=True
         )
+        records = []
+        for peer, key in strike_keys.items():
+            if key in strikes:
+                records += _of_type(strikes[key], StrikeRecord).values()
+            else:  # no answer in time: what this key said last time still stands (records expire on their own)
+                now = get_dht_time()
+                records += [r for r in previous.about(peer) if r.time >= now - self.store.rules.strike_ttl]
+        ledger = StrikeLedger.from_records(records)
+        open_voters = self._open_voters(verifiers)
 
         view = SwarmView(
             n_stages=self.n_stages,
@@ -141,13 +181,36 @@ class SwarmWatcher:
             trainers=trainers,
             bootstraps=bootstraps,
             ledger=ledger,
-            excluded=self.policy.excluded(ledger),
+            excluded=self.policy.excluded(ledger, open_voters),
             time=get_dht_time(),
+            open_voters=open_voters,
         )
         with self._lock:
             self._accused = set(ledger.accused())
             self._view = view
         return view
+
+    def _kept(self, before: Mapping[str, Announcement], read: dict[str, Announcement], now: float) -> dict:
+        """What a key holds: the announcements just read, and those read before that this read missed but that
+        cannot have expired yet (a DHT read on a loaded machine may miss a record; its node has not gone, which
+        it would have said with an ``offline`` record, or by letting it expire). A newer record always wins."""
+        ttl = self.store.rules.announce_ttl
+        kept = dict(read)
+        for peer, announcement in before.items():
+            if peer not in kept and announcement.time + ttl > now:
+                kept[peer] = announcement
+        return kept
+
+    def _open_voters(self, verifiers: Mapping[str, VerifierAnnouncement]) -> frozenset[str]:
+        """Verifiers announced online in every refresh since at least ``min_voter_age`` seconds ago (open sets)."""
+        if not self.policy.params.open:
+            return frozenset()
+        now = self.clock()
+        online = {peer for peer, a in verifiers.items() if a.state == "online"}
+        with self._lock:
+            self._first_seen = {peer: self._first_seen.get(peer, now) for peer in online}
+            age = self.policy.params.min_voter_age
+            return frozenset(peer for peer, seen in self._first_seen.items() if now - seen >= age)
 
 
 def _of_type(records: Mapping[str, object], record_type: type) -> dict:

@@ -163,28 +163,93 @@ class VerificationConfig(_Strict):
 
 
 class SwarmConfig(_Strict):
-    """The DHT society: who is trusted, how long records live."""
+    """The DHT society: who holds which role, how long records live (docs/security.md).
+
+    Trainers and verifiers are admitted by the swarm's trust roots: listed here (``trainers``,
+    ``trusted_verifiers``), or holding a role certificate signed by ``organiser`` (``sentinel-node admit``). Stages
+    are open to any volunteer. ``open_trainers``/``open_verifiers`` admit anyone to those roles: an explicit opt-in
+    that an attacker with many keys can abuse (docs/security.md says how).
+    """
 
     prefix: str = Field("sentinel-tiny", min_length=1, pattern=r"^[A-Za-z0-9_-]+$")
     seed: int = Field(0, description="seeds the shared random projections and the model's initialization")
+    organiser: str | None = Field(
+        None, description="the organiser's RSA public key ('ssh-rsa AAAA...'): it signs role certificates"
+    )
+    trainers: list[str] = Field(default_factory=list, description="peer ids (or public keys) of admitted trainers")
     trusted_verifiers: list[str] = Field(default_factory=list, description="public keys or peer ids")
+    open_trainers: bool = Field(False, description="anyone may be a trainer (and pace every replica's steps)")
+    open_verifiers: bool = Field(False, description="anyone may verify; bans count after min_voter_age")
     ban_quorum: int = Field(2, ge=1)
+    min_voter_age: float = Field(
+        120.0, ge=0, description="open verifier set: seconds a reader must have seen a verifier before its bans count"
+    )
     strike_ttl: float = Field(86400.0, gt=0, description="seconds a strike record (and an exclusion) lives")
     announce_period: float = Field(5.0, gt=0, description="seconds between announcement refreshes")
     announce_ttl: float = Field(20.0, gt=0, description="seconds an announcement lives unless refreshed")
     request_timeout: float = Field(5.0, gt=0, description="seconds a DHT read may take")
 
     @model_validator(mode="after")
-    def _quorum(self) -> SwarmConfig:
+    def _trust(self) -> SwarmConfig:
+        self.trust_roots()  # entries that name no peer are errors here, not at join
         self.exclusion_params()  # the exclusion policy's own rule decides what a valid quorum is
         return self
+
+    def unadmittable_roles(self) -> list[str]:
+        """The roles this config admits nobody to (no listed peer, no organiser, not open): a swarm that needs
+        them cannot run, and its nodes say so when they start."""
+        return [
+            role
+            for role, listed, open_ in (
+                ("trainer", self.trainers, self.open_trainers),
+                ("verifier", self.trusted_verifiers, self.open_verifiers),
+            )
+            if not (listed or self.organiser or open_)
+        ]
+
+    def organiser_key(self) -> bytes | None:
+        """The organiser's public key, checked; ValueError saying what is wrong with it."""
+        if self.organiser is None:
+            return None
+        from dht import IdentityError, peer_id_from_public_key  # hivemind: not at the top (--help stays fast)
+
+        key = self.organiser.strip().encode()
+        try:
+            peer_id_from_public_key(key)
+        except IdentityError as e:
+            raise ValueError(
+                f"organiser {self.organiser[:40]!r}... is not an OpenSSH RSA public key ({e}); paste the line "
+                "`sentinel-node admit --new-organiser-key FILE` printed"
+            ) from None
+        return key
+
+    def trust_roots(self):
+        """The swarm's :class:`dht.TrustRoots`; ValueError naming an entry that names no peer."""
+        from dht import TrustRoots, peer_id_from_entry
+
+        return TrustRoots(
+            organiser=self.organiser_key(),
+            trainers=frozenset(peer_id_from_entry(e, f"trainers entry {i}") for i, e in enumerate(self.trainers)),
+            verifiers=frozenset(
+                peer_id_from_entry(e, f"trusted_verifiers entry {i}") for i, e in enumerate(self.trusted_verifiers)
+            ),
+            open_trainers=self.open_trainers,
+            open_verifiers=self.open_verifiers,
+        )
 
     def exclusion_params(self):
         """Who may vote and how many votes exclude (:class:`peers.ExclusionParams`); ValueError naming the entry
         or the number that is wrong."""
         from peers import ExclusionParams  # here, not at the top: peers imports hivemind, and --help must stay fast
 
-        return ExclusionParams(tuple(self.trusted_verifiers), self.ban_quorum)
+        return ExclusionParams(
+            tuple(self.trusted_verifiers),
+            self.ban_quorum,
+            open_verifiers=self.open_verifiers,
+            organiser=self.organiser,
+            prefix=self.prefix,
+            min_voter_age=self.min_voter_age,
+        )
 
     def exclusion_policy(self):
         """The swarm's :class:`peers.ExclusionPolicy`."""
@@ -250,6 +315,7 @@ class Config(_Strict):
     model: ModelConfig = ModelConfig()
     pipeline: PipelineConfig = PipelineConfig()
     verification: VerificationConfig = VerificationConfig()
+    # by default nobody may train or verify: who may is every swarm's own explicit choice (docs/security.md)
     swarm: SwarmConfig = SwarmConfig()
     data: DataConfig = DataConfig()
     sim: SimConfig = SimConfig()
@@ -273,6 +339,20 @@ class Config(_Strict):
                 shared["model"].pop(name)
         blob = json.dumps(shared, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+    def swarm_rules(self):
+        """The rules every validator and reader of this swarm applies (:class:`dht.SwarmRules`)."""
+        from dht import SwarmRules
+
+        swarm = self.swarm
+        return SwarmRules(
+            prefix=swarm.prefix,
+            config_hash=self.swarm_hash(),
+            n_stages=self.pipeline.n_stages,
+            trust=swarm.trust_roots(),
+            announce_ttl=swarm.announce_ttl,
+            strike_ttl=swarm.strike_ttl,
+        )
 
     def with_overrides(self, **sections: dict) -> Config:
         """A copy with some fields of some sections replaced, validated like a file."""

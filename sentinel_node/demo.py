@@ -5,10 +5,11 @@
 stage), 2 verifiers serving every boundary, and a trainer; it shows a live view of training and ends with a
 :class:`DemoSummary`.
 
-Exclusion quorum: the demo creates the verifiers' identity files first and lists their peer ids as the swarm's
-``trusted_verifiers`` with ``ban_quorum`` 1, so one trusted verifier's ban excludes a peer swarm-wide (an open
-verifier set would need a quorum of at least 2, i.e. both verifiers would each have to see the attacker strike
-out). Both verifiers still serve every boundary, so losing one does not stop the pipeline.
+Trust roots: the demo's swarm is closed (docs/security.md). It creates an organiser key and the verifiers' identity
+files first, lists the verifiers' peer ids as the swarm's ``trusted_verifiers`` with ``ban_quorum`` 1 (one trusted
+verifier's ban excludes a peer swarm-wide; an open verifier set would need a quorum of at least 2), and gives each
+trainer it starts a certificate signed by the organiser (:meth:`Demo.certify`), so both ways of admission run.
+Both verifiers still serve every boundary, so losing one does not stop the pipeline.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class Demo:
         self.trainer_summary: dict | None = None
         self.started = time.monotonic()
         self.attacker: str | None = None
+        self.organiser = None  # the organiser's identity, once start() created it
 
     def __enter__(self) -> Demo:
         return self
@@ -162,7 +164,16 @@ class Demo:
             path = self.swarm.identity(name)
             identity = load_identity_file(path) if path.exists() else create_identity_file(path)
             verifier_ids.append(identity.peer_id)
-        self.config = base.with_overrides(swarm={"trusted_verifiers": verifier_ids, "ban_quorum": 1})
+        organiser = self.organiser_path()
+        self.organiser = load_identity_file(organiser) if organiser.exists() else create_identity_file(organiser)
+        trust = {
+            "organiser": self.organiser.public_key.decode(),
+            "trusted_verifiers": verifier_ids,
+            "ban_quorum": 1,
+            "open_trainers": False,
+            "open_verifiers": False,
+        }
+        self.config = base.with_overrides(swarm=trust)
         (self.workdir / "swarm.yaml").write_text(yaml.safe_dump(self.config.model_dump(), sort_keys=False))
 
         self.echo(f"starting a local swarm in {self.workdir}")
@@ -208,6 +219,22 @@ class Demo:
     def state_dir(self, name: str) -> Path:
         return self.workdir / "state" / name
 
+    def organiser_path(self) -> Path:
+        return self.workdir / "identities" / "organiser.key"
+
+    def certify(self, name: str, role: str = "trainer", days: float = 1.0) -> Path:
+        """A certificate for node ``name`` (its identity created if needed), signed by the demo's organiser."""
+        from dht import create_identity_file, load_identity_file
+        from sentinel_node.organiser import admit, write_certificate
+
+        path = self.swarm.identity(name)
+        identity = load_identity_file(path) if path.exists() else create_identity_file(path)
+        certificate = admit(self.config, self.organiser_path(), role, identity.peer_id, days=days)
+        (self.workdir / "certificates").mkdir(exist_ok=True)
+        out = self.workdir / "certificates" / f"{name}.cert"
+        write_certificate(certificate, out)
+        return out
+
     # --- training
 
     def train(
@@ -220,6 +247,8 @@ class Demo:
         trainer = self.swarm.start(
             name,
             "trainer",
+            "--certificate",
+            str(self.certify(name)),
             "--steps",
             str(steps),
             "--eval-every",

@@ -143,13 +143,14 @@ class LocalSwarm:
         node.metrics_port = metrics_port
         return node
 
-    def restart(self, name: str) -> NodeProcess:
-        """Starts a stopped node again with the same command (identity, state directory, metrics port)."""
+    def restart(self, name: str, *extra: str) -> NodeProcess:
+        """Starts a stopped node again with the same command (identity, state directory, metrics port), plus
+        ``extra`` arguments."""
         old = self.nodes.pop(name)
         if old.alive:
             self.nodes[name] = old
             raise ValueError(f"{name} is still running; stop it first")
-        node = self._launch(name, old.role, old.command, old.status_path)
+        node = self._launch(name, old.role, [*old.command, *extra], old.status_path)
         node.metrics_port = old.metrics_port
         return node
 

@@ -19,6 +19,7 @@ from sentinel_node.pipeline import StageWorker
 from sentinel_node.pipeline.checkpoint import (
     CheckpointError,
     CheckpointPolicy,
+    CheckpointWriteError,
     checkpoint_path,
     list_checkpoints,
     load_checkpoint,
@@ -113,7 +114,7 @@ def test_a_failed_rename_leaves_the_previous_checkpoint(trained, tmp_path, monke
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoint_module.os, "replace", crash)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(CheckpointWriteError, match="disk full: the checkpoint of step 2 needs about"):
         save_checkpoint(trained, tmp_path, 2, HASH)
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint_path(tmp_path, 1).name]
@@ -262,3 +263,41 @@ def test_invalid_arguments(trained, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(CheckpointError, match="is not a directory"):
         load_checkpoint(trained, tmp_path / "file", HASH)
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Path:
+    """A 64 KiB filesystem (tmpfs), too small for any checkpoint; remount it larger to free space."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)]).returncode:
+        pytest.skip("tmpfs cannot be mounted here")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_full_disk_is_said_in_words_counted_and_recovered_from(trained, small_disk, caplog):
+    """Issue 16: a state directory on a full disk logged an opaque `enforce fail at inline_container.cc` on every
+    step while the node kept serving."""
+    from sentinel_node.roles.replica_state import ReplicaState
+
+    directory = small_disk / "state"
+    with pytest.raises(CheckpointWriteError, match=r"disk full: the checkpoint of step 2 needs about [\d.]+ MiB in"):
+        save_checkpoint(trained, directory, 2, HASH)
+    assert list_checkpoints(directory) == []
+    state = ReplicaState(trained, HASH, str(directory), checkpoint_every=1)
+    with caplog.at_level("INFO"):
+        for step in (3, 4, 5):
+            state.step = step
+            state.save(force=True)
+    assert state.failed == 3 and state.saved == 0 and state.problem.startswith("disk full")
+    assert str(directory) in state.problem and "MiB free" in state.problem
+    assert caplog.text.count("not saved: disk full") == 1  # once, not on every step
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)  # space freed
+    state.step = 6
+    state.save(force=True)
+    state.close()
+    assert state.problem is None and state.saved == 1
+    assert [step for step, _ in list_checkpoints(directory)] == [6]

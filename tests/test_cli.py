@@ -46,10 +46,27 @@ def test_wrongly_typed_config_value_names_the_field(tmp_path):
 
 
 def test_open_verifier_set_with_quorum_one_is_rejected(tmp_path):
-    path = _config(tmp_path, {"swarm": {"ban_quorum": 1}})
+    path = _config(tmp_path, {"swarm": {"ban_quorum": 1, "open_verifiers": True}})
     result = CliRunner().invoke(main, ["simulate", "--config", path])
     assert result.exit_code == 2
     assert "ban_quorum" in result.output and "at least 2" in result.output
+
+
+@pytest.mark.parametrize(
+    "swarm, message",
+    [
+        ({"trusted_verifiers": ["11111111111111111111111"], "ban_quorum": 1}, "trusted_verifiers entry 0"),
+        ({"trusted_verifiers": ["QmNotAPeerIdAtAllButBase58Letters"], "ban_quorum": 1}, "neither a peer id"),
+        ({"trainers": ["ssh-rsa AAAAB3Nza"], "open_verifiers": True}, "trainers entry 0"),
+        ({"organiser": "ssh-rsa AAAA-not-a-key", "open_verifiers": True}, "organiser"),
+    ],
+)
+def test_malformed_trust_entries_are_rejected_when_the_config_loads(tmp_path, swarm, message):
+    """Issue 16: a trusted_verifiers entry that is not a peer id passed config loading and then killed join."""
+    path = _config(tmp_path, {"swarm": swarm})
+    result = CliRunner().invoke(main, ["join", "--role", "trainer", "--config", path])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
 
 
 def test_missing_config_file_is_a_clear_error(tmp_path):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import hivemind
@@ -16,11 +17,15 @@ from hivemind.utils import get_dht_time
 
 from dht import (
     Identity,
+    RecordError,
     RecordStore,
     StageAnnouncement,
     StrikeRecord,
     SwarmKeys,
+    SwarmRules,
+    TrustRoots,
     VerifierAnnouncement,
+    cap_subkeys,
     create_identity_file,
     ephemeral_identity,
     swarm_validators,
@@ -31,6 +36,7 @@ from peers import (
     ExclusionPolicy,
     LivenessBlacklist,
     NoRouteError,
+    PairBlacklist,
     StrikeLedger,
     SwarmView,
     SwarmWatcher,
@@ -101,7 +107,10 @@ def verifier(peer: str, boundaries: list[int], throughput: float = 1.0, **change
 
 def test_params_reject_a_quorum_of_one_with_an_open_verifier_set():
     with pytest.raises(ValueError, match="at least 2 with an open verifier set"):
-        ExclusionParams(trusted_verifiers=(), ban_quorum=1)
+        ExclusionParams(trusted_verifiers=(), ban_quorum=1, open_verifiers=True)
+    assert not ExclusionParams(trusted_verifiers=(), ban_quorum=2).open  # an empty list no longer means "anyone"
+    with pytest.raises(ValueError, match="neither a peer id"):
+        ExclusionParams(trusted_verifiers=("11111111111111111111111",), ban_quorum=1)  # base58, but no peer id
     with pytest.raises(ValueError, match="exceeds the 1 distinct trusted"):
         ExclusionParams(trusted_verifiers=("QmPcCHg2Dfc8Ncd45EFH3Y9nRWjEoy7SN4m3LcJmznH1LB",), ban_quorum=2)
     with pytest.raises(ValueError, match="neither a peer id"):
@@ -131,12 +140,22 @@ def test_exclusion_happens_exactly_at_the_quorum_of_trusted_verifiers(ids):
     assert set(excluded[accused].voters) == {trusted[0].peer_id, trusted[1].peer_id}
 
 
-def test_an_open_verifier_set_counts_any_verifier_but_no_self_ban(ids):
+def test_an_open_verifier_set_counts_only_voters_seen_long_enough_in_good_standing_and_no_self_ban(ids):
     accused = ids[5].peer_id
-    policy = ExclusionPolicy(ExclusionParams((), ban_quorum=2))
+    policy = ExclusionPolicy(ExclusionParams((), ban_quorum=2, open_verifiers=True))
     one = [strike(ids[0].peer_id, accused), strike(accused, accused)]
-    assert policy.excluded(StrikeLedger.from_records(one)) == {}
-    assert accused in policy.excluded(StrikeLedger.from_records([*one, strike(ids[1].peer_id, accused)]))
+    voters = {ids[0].peer_id, ids[1].peer_id, accused}
+    assert policy.excluded(StrikeLedger.from_records(one), voters) == {}
+    both = StrikeLedger.from_records([*one, strike(ids[1].peer_id, accused)])
+    assert accused in policy.excluded(both, voters)
+    # issue 16, attack 2: bans by keys the reader never saw announced (free keys) count for nothing
+    assert policy.excluded(both) == {}
+    assert policy.excluded(both, {ids[0].peer_id}) == {}
+    # a voter excluded itself loses its vote: ids[0] and ids[1] ban each other and accused; ids[2], ids[3] ban ids[0]
+    records = [*both, strike(ids[0].peer_id, ids[1].peer_id), strike(ids[2].peer_id, ids[0].peer_id)]
+    records.append(strike(ids[3].peer_id, ids[0].peer_id))
+    excluded = policy.excluded(StrikeLedger.from_records(records), {i.peer_id for i in ids[:4]})
+    assert set(excluded) == {ids[0].peer_id}  # accused and ids[1] keep one vote in good standing each
 
 
 def test_the_ledger_keeps_each_verifiers_newest_record(ids):
@@ -187,7 +206,7 @@ def view_of(ids, excluded_peer: str | None = None) -> SwarmView:
     if excluded_peer:
         records = [strike(v.peer_id, excluded_peer) for v in ids[2:4]]
         ledger = StrikeLedger.from_records(records)
-        excluded = ExclusionPolicy(ExclusionParams((), 2)).excluded(ledger)
+        excluded = ExclusionPolicy(ExclusionParams(tuple(v.peer_id for v in ids[2:4]), 2)).excluded(ledger)
     return SwarmView(2, stages, verifiers, ledger=ledger, excluded=excluded)
 
 
@@ -223,28 +242,73 @@ def test_routing_never_picks_an_excluded_or_blacklisted_peer(ids):
     assert "no verifier on boundary 0|1, 1|2" in blind.health().summary()
 
 
+def test_routing_survives_any_throughput_a_record_may_hold(ids):
+    """Issue 16, attack 4: a stage announcement with throughput +inf made random.choices raise in every trainer.
+    Validators refuse such records now; the routing choice does not rely on it."""
+    view = view_of(ids)
+    for bad in (math.inf, math.nan, -5.0, 1e308):
+        crazy = stage(ids[0].peer_id, 0).copy(update={"throughput": bad})  # unvalidated, as memory may hold
+        stages = {**view.stages, 0: {ids[0].peer_id: crazy, ids[1].peer_id: view.stages[0][ids[1].peer_id]}}
+        routes = [choose_route(SwarmView(2, stages, view.verifiers), random.Random(i)) for i in range(200)]
+        picked = Counter(route.stages[0].peer_id for route in routes)
+        assert set(picked) <= {ids[0].peer_id, ids[1].peer_id} and sum(picked.values()) == 200
+
+
+def test_a_refused_pair_is_kept_apart_while_another_route_exists(ids):
+    """Issue 16: a verifier that banned a replica short of the quorum answered "banned" on every route through it,
+    and the trainer kept choosing the pair. A refused (verifier, replica) pair is now kept apart for a while."""
+    now = [0.0]
+    pairs = PairBlacklist(BackoffParams(5.0, 2.0, 120.0), clock=lambda: now[0])
+    base = view_of(ids)
+    verifiers = {p: verifier(p, [0]) for p in (ids[4].peer_id, ids[5].peer_id)}
+    view = SwarmView(2, base.stages, verifiers)
+    refused_by, replica = ids[5].peer_id, ids[1].peer_id  # ids[1] is the fast replica of stage 0: chosen 3 of 4
+    assert pairs.register_refusal(refused_by, replica) == 5.0 and pairs.apart(replica, refused_by)
+    rng = random.Random(3)
+    routes = [choose_route(view, rng, apart=pairs.apart) for _ in range(300)]
+    assert all(not (r.stages[0].peer_id == replica and r.verifiers[0].peer_id == refused_by) for r in routes)
+    assert {r.verifiers[0].peer_id for r in routes} == set(verifiers)  # both verifiers still carry traffic
+    # with nothing else left the pair is used anyway: a route that may be refused beats none
+    lone = SwarmView(
+        2, {0: {replica: base.stages[0][replica]}, 1: base.stages[1]}, {refused_by: verifiers[refused_by]}
+    )
+    assert choose_route(lone, rng, apart=pairs.apart).verifiers[0].peer_id == refused_by
+    now[0] = 5.1  # the pair is tried again after its backoff, and kept apart longer if refused again
+    assert not pairs.apart(replica, refused_by) and pairs.register_refusal(replica, refused_by) == 10.0
+
+
 # --- exclusion through a real DHT ---
 
 
-def start_node(directory: Path, initial_peers=()) -> tuple[hivemind.DHT, RecordStore]:
-    identity = create_identity_file(directory / f"id-{time.monotonic_ns()}.key")
+def start_node(identity: Identity, rules: SwarmRules, initial_peers=()) -> tuple[hivemind.DHT, RecordStore]:
     dht = hivemind.DHT(
         initial_peers=list(initial_peers),
         start=True,
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         identity_path=str(identity.path),
         check_if_identity_free=False,
-        record_validators=swarm_validators(PREFIX, identity),
+        record_validators=swarm_validators(rules, identity),
     )
-    return dht, RecordStore(dht, KEYS, CONFIG_HASH, identity, timeout=5.0)
+    cap_subkeys(dht, rules.max_subkeys)
+    return dht, RecordStore(dht, rules, identity, timeout=5.0)
+
+
+def start_swarm(directory: Path, n: int, rules_for: Callable[[list[Identity]], SwarmRules]):
+    identities = [create_identity_file(directory / f"id-{i}.key") for i in range(n)]
+    rules = rules_for(identities)
+    first = start_node(identities[0], rules)
+    return [first] + [start_node(identity, rules, first[0].get_visible_maddrs()) for identity in identities[1:]]
 
 
 @pytest.fixture(scope="module")
 def five_nodes(tmp_path_factory) -> Iterator[list[RecordStore]]:
     """Node 0 is an accused stage replica, 1-3 are verifiers (1 and 2 trusted), 4 only reads."""
-    directory = tmp_path_factory.mktemp("peers")
-    first = start_node(directory)
-    nodes = [first] + [start_node(directory, first[0].get_visible_maddrs()) for _ in range(4)]
+
+    def rules(identities: list[Identity]) -> SwarmRules:
+        trust = TrustRoots(verifiers=frozenset(i.peer_id for i in identities[1:3]), open_trainers=True)
+        return SwarmRules(PREFIX, CONFIG_HASH, n_stages=2, trust=trust, announce_ttl=60, strike_ttl=120)
+
+    nodes = start_swarm(tmp_path_factory.mktemp("peers"), 5, rules)
     yield [store for _, store in nodes]
     for dht, _ in nodes:
         dht.shutdown()
@@ -261,10 +325,11 @@ def test_exclusion_through_the_dht_follows_trusted_bans_and_lifts_when_they_expi
     watcher = SwarmWatcher(reader, n_stages=1, policy=policy_for(five_nodes))
     assert [a.peer_id for a in watcher.refresh().live_replicas(0)] == [accused_id]
 
-    untrusted.put(strike(untrusted.identity.peer_id, accused_id), ttl=30)
+    with pytest.raises(RecordError, match="not admitted as a verifier"):  # peers would refuse it: never sent
+        untrusted.put(strike(untrusted.identity.peer_id, accused_id), ttl=30)
     v1.put(strike(v1.identity.peer_id, accused_id), ttl=30)
     view = watcher.refresh()
-    assert len(view.ledger.about(accused_id)) == 2 and not view.is_excluded(accused_id)
+    assert len(view.ledger.about(accused_id)) == 1 and not view.is_excluded(accused_id)
 
     v2.put(strike(v2.identity.peer_id, accused_id), ttl=1.5)
     view = watcher.refresh()
@@ -274,7 +339,43 @@ def test_exclusion_through_the_dht_follows_trusted_bans_and_lifts_when_they_expi
 
     time.sleep(1.6)  # v2's ban expires: one trusted vote left, below the quorum
     view = watcher.refresh()
-    assert not view.is_excluded(accused_id) and len(view.ledger.about(accused_id)) == 2
+    assert not view.is_excluded(accused_id) and len(view.ledger.about(accused_id)) == 1
+
+
+def test_framing_with_free_keys_excludes_nobody_in_an_open_set(tmp_path):
+    """Issue 16, attack 2: with an open verifier set and a quorum of 2, bans signed by two fresh keys that never
+    announced anything excluded an honest stage (the only replica of stage 0: training halted). Now a ban counts
+    only from a verifier this reader has seen announced for min_voter_age; what patience buys an attacker with two
+    keys, which an open set cannot stop, is shown at the end."""
+
+    def rules(_identities: list[Identity]) -> SwarmRules:
+        trust = TrustRoots(open_verifiers=True, open_trainers=True)
+        return SwarmRules(PREFIX, "open" + CONFIG_HASH, n_stages=2, trust=trust, announce_ttl=60, strike_ttl=120)
+
+    nodes = start_swarm(tmp_path, 4, rules)
+    honest, reader, *free = [store for _, store in nodes]
+    try:
+        clock = [1000.0]
+        params = ExclusionParams((), ban_quorum=2, open_verifiers=True, min_voter_age=120.0)
+        watcher = SwarmWatcher(reader, n_stages=1, policy=ExclusionPolicy(params), clock=lambda: clock[0])
+        honest_id = honest.identity.peer_id
+        honest.put(stage(honest_id, 0, config_hash=reader.config_hash, time=get_dht_time()), ttl=30)
+        for key in free:
+            key.put(strike(key.identity.peer_id, honest_id, config_hash=reader.config_hash), ttl=60)
+        view = watcher.refresh()
+        assert len(view.ledger.about(honest_id)) == 2  # the bans are there, and count for nothing
+        assert not view.is_excluded(honest_id) and [a.peer_id for a in view.live_replicas(0)] == [honest_id]
+
+        for key in free:  # they announce themselves now: still too new to vote
+            key.put(verifier(key.identity.peer_id, [0], config_hash=reader.config_hash, time=get_dht_time()), ttl=30)
+        assert not watcher.refresh().is_excluded(honest_id)
+        clock[0] += 119.0
+        assert not watcher.refresh().is_excluded(honest_id)
+        clock[0] += 2.0  # announced for two minutes, in good standing: an open set counts them (docs/security.md)
+        assert watcher.refresh().is_excluded(honest_id)
+    finally:
+        for dht, _ in nodes:
+            dht.shutdown()
 
 
 def time_exclusion(watchers: list[SwarmWatcher], v1: RecordStore, v2: RecordStore) -> tuple[float, float]:

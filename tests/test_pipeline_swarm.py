@@ -2,15 +2,19 @@
 
 One swarm for the whole module (it takes half a minute to start on two cores): the demo's swarm (bootstrap,
 3 stages x 2 replicas of which one replica of stage 1 attacks from step ATTACK_START, 2 trusted verifiers, a
-trainer). While it trains, a stage 2 replica is SIGKILLed and later a verifier. The steps before the attack
-starts are an honest swarm. After training, the tests call the nodes themselves as a peer of their own: a
-"stage" that skips the verifier, an excluded peer, and every kind of malformed tensor.
+trainer admitted by the organiser's certificate). While it trains, a stage 2 replica is SIGKILLed and later a
+verifier, and at FLOOD_AT a peer floods the DHT with 100 signed fake verifier announcements. The steps before the
+attack starts are an honest swarm. After training, the tests call the nodes themselves as a peer of their own: a
+"stage" that skips the verifier, a self-announced verifier and trainer (issue 16), an admitted trainer counting
+far ahead, an excluded peer, and every kind of malformed tensor; then a second trainer carries the count on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -21,12 +25,33 @@ from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
 from hivemind.proto.runtime_pb2 import Tensor as WireTensor
 from hivemind.utils import get_dht_time
 from prometheus_client.parser import text_string_to_metric_families
+from raw_dht import raw_store_signed
 
-from dht import Identity, StageAnnouncement, VerifierAnnouncement, create_identity_file, load_identity_file
+from dht import (
+    DHTUnavailable,
+    Identity,
+    RecordError,
+    RoleCertificate,
+    StageAnnouncement,
+    TrainerAnnouncement,
+    VerifierAnnouncement,
+    create_identity_file,
+    ephemeral_identity,
+    load_identity_file,
+)
 from sentinel_node.demo import Demo, DemoSettings
 from sentinel_node.roles.common import record_store, start_dht, stop_dht
 from sentinel_node.roles.metrics import METRICS
-from sentinel_node.roles.wire import STAGE_FORWARD, VERIFIER_RELAY, PipelineRequest, Shapes, transport_settings
+from sentinel_node.roles.wire import (
+    STAGE_FORWARD,
+    STAGE_STEP,
+    VERIFIER_RELAY,
+    PipelineRequest,
+    Shapes,
+    StepReply,
+    StepRequest,
+    transport_settings,
+)
 from sentinel_node.transport import (
     Hop,
     HopBanned,
@@ -44,6 +69,8 @@ STEPS = 30
 ATTACK_START = 12
 KILL_STAGE_AT = 6  # stage2-1, SIGKILL
 KILL_VERIFIER_AT = 22  # verifier1, SIGKILL (after both verifiers banned the attacker)
+FLOOD_AT = 8  # 100 fake verifier announcements, signed by 100 fresh keys (issue 16, attack 8)
+FAKE_VERIFIERS = 100
 SCRAPE_AT = (3, 16)  # Prometheus scrapes of live nodes while they train (and one more after training)
 SCRAPED = ("bootstrap", "stage1-0", "verifier0", "trainer")
 
@@ -58,24 +85,47 @@ def demo(tmp_path_factory) -> Iterator[Demo]:
         attack_start=ATTACK_START,
         workdir=tmp_path_factory.mktemp("swarm"),
         eval_every=6,
+        start_timeout=400.0,  # generous: other jobs may load the machine
     )
     with Demo(settings) as running:
         running.start()
         running.scrapes = {}
+        flooder = Peer(running, ephemeral_identity())
+        fakes = [ephemeral_identity() for _ in range(FAKE_VERIFIERS)]
+        flooding = threading.Thread(target=flood_with_fake_verifiers, args=(flooder, fakes), daemon=True)
 
         def chaos(record: dict) -> None:
             if record["step"] in SCRAPE_AT:
                 running.scrapes[record["step"]] = {name: scrape(running.node(name)) for name in SCRAPED}
             if record["step"] == KILL_STAGE_AT:
                 running.swarm.kill("stage2-1")
+            elif record["step"] == FLOOD_AT:
+                flooding.start()
             elif record["step"] == KILL_VERIFIER_AT:
                 running.scrapes["verifier1"] = scrape(running.node("verifier1"))  # its last words
                 running.swarm.kill("verifier1")
 
-        running.train(on_step=chaos)
+        try:
+            running.train(on_step=chaos)
+        finally:
+            if flooding.ident is not None:
+                flooding.join(timeout=120)
+            flooder.close()
+        running.flooded = flooder.flooded
         running.scrapes["after"] = {name: scrape(running.node(name)) for name in SCRAPED if name != "trainer"}
         running.result = running.summary()
         yield running
+
+
+def flood_with_fake_verifiers(flooder: Peer, fakes: list[Identity]) -> None:
+    """Issue 16, attack 8: signed verifier announcements by keys nobody admitted. They once brought training to
+    0 tokens/s and made stage 0 refuse the real trainer as "not a live trainer"."""
+    keys = flooder.store.keys
+    flooder.flooded = 0
+    for fake in fakes:
+        record = flooder.record(VerifierAnnouncement, fake, boundaries=[0, 1])
+        stored = raw_store_signed(flooder.dht, fake, record.dict(), keys.verifiers, get_dht_time() + 60)
+        flooder.flooded += any(stored)
 
 
 def scrape(node) -> dict[tuple, float]:
@@ -181,9 +231,10 @@ class Peer:
         self.loop.close()
         stop_dht(self.dht)
 
-    def announce(self, kind: type, **fields) -> None:
-        record = kind(
-            peer_id=self.identity.peer_id,
+    def record(self, kind: type, identity: Identity | None = None, **fields):
+        identity = identity or self.identity
+        common = dict(
+            peer_id=identity.peer_id,
             maddrs=[str(m) for m in self.dht.get_visible_maddrs()],
             state="online",
             relayed=False,
@@ -191,21 +242,40 @@ class Peer:
             config_hash=self.config.swarm_hash(),
             version="test",
             time=get_dht_time(),
-            **fields,
         )
-        self.store.put(record, ttl=60.0)
+        return kind(**{**common, **fields})
 
-    def meta(self, route: list[Hop]) -> PipelineRequest:
+    def announce(self, kind: type, **fields) -> None:
+        self.store.put(self.record(kind, **fields), ttl=self.config.swarm.announce_ttl)
+
+    def announce_anyway(self, kind: type, **fields) -> list:
+        """An announcement the writer's own checks would refuse (a role nobody admitted), stored as an attacker
+        would: what each peer answered."""
+        record = self.record(kind, **fields)
+        expiration = get_dht_time() + self.config.swarm.announce_ttl
+        return raw_store_signed(self.dht, self.identity, record.dict(), record.key(self.store.keys), expiration)
+
+    def meta(self, route: list[Hop], step: int = STEPS) -> PipelineRequest:
         return PipelineRequest(
             deadline=time.time() + 15,
             microbatch_id=f"test.{time.monotonic_ns()}",
-            step=STEPS,
+            step=step,
             kind="forward",
             route=route,
         )
 
-    def call(self, peer: str, handler: str, tensors: list[torch.Tensor], route: list[Hop]) -> Reply | HopError:
-        coroutine = call_peer(self.p2p, peer, handler, tensors, self.meta(route), settings=self.settings)
+    def call(
+        self, peer: str, handler: str, tensors: list[torch.Tensor], route: list[Hop], step: int = STEPS
+    ) -> Reply | HopError:
+        coroutine = call_peer(self.p2p, peer, handler, tensors, self.meta(route, step), settings=self.settings)
+        try:
+            return self.loop.run_until_complete(coroutine)
+        except HopError as e:
+            return e
+
+    def step(self, peer: str, step: int) -> Reply | HopError:
+        meta = StepRequest(deadline=time.time() + 15, step=step)
+        coroutine = call_peer(self.p2p, peer, STAGE_STEP, [], meta, settings=self.settings, reply_model=StepReply)
         try:
             return self.loop.run_until_complete(coroutine)
         except HopError as e:
@@ -251,7 +321,7 @@ def test_stage_refuses_activations_straight_from_a_stage(demo, stranger):
     route = [Hop(peer_id=demo.peer("verifier0"), boundary=1), Hop(peer_id=demo.peer("stage2-0"))]
     error = stranger.call(demo.peer("stage1-0"), STAGE_FORWARD, [stranger.activation(), stranger.tokens()], route)
     assert isinstance(error, HopRefused) and not isinstance(error, HopBanned), error
-    assert "accepts activations only from a verifier announced for boundary 0|1" in error.detail
+    assert "accepts activations only from a live verifier admitted for boundary 0|1" in error.detail
     assert demo.node("stage1-0").alive
 
 
@@ -288,9 +358,10 @@ def test_malformed_tensors_get_a_clear_error_a_strike_and_the_verifier_keeps_ser
     error = stranger.call(verifier, VERIFIER_RELAY, [stranger.activation(), stranger.tokens()], route)
     assert isinstance(error, HopBanned), error
     records = {}
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not (verifier in records and records[verifier].banned):
-        records = stranger.store.strikes(stranger.identity.peer_id)
+        with contextlib.suppress(DHTUnavailable):  # a read on a loaded machine may time out: read again
+            records = stranger.store.strikes(stranger.identity.peer_id)
         time.sleep(0.5)
     assert records[verifier].strikes == 3 and records[verifier].banned
 
@@ -302,10 +373,11 @@ def test_malformed_tensors_get_a_clear_error_a_strike_and_the_verifier_keeps_ser
     assert demo.node("verifier0").status().malformed == 3
 
 
-def test_stage_checks_tensors_from_a_verifier_and_keeps_serving(demo, tmp_path_factory):
-    peer = Peer(demo, create_identity_file(tmp_path_factory.mktemp("fake-verifier") / "id.key"))
+def test_stage_checks_tensors_from_a_verifier_and_keeps_serving(demo):
+    certificate = RoleCertificate.from_file(demo.certify("extra-verifier", role="verifier"))
+    peer = Peer(demo, load_identity_file(demo.swarm.identity("extra-verifier")))
     try:
-        peer.announce(VerifierAnnouncement, boundaries=[0])
+        peer.announce(VerifierAnnouncement, boundaries=[0, 1], certificate=certificate)  # admitted by the organiser
         stage = demo.peer("stage1-0")
         route = [Hop(peer_id=demo.peer("verifier0"), boundary=1), Hop(peer_id=demo.peer("stage2-0"))]
         nan = peer.activation()
@@ -325,6 +397,90 @@ def test_stage_checks_tensors_from_a_verifier_and_keeps_serving(demo, tmp_path_f
         assert isinstance(reply.metadata, MicrobatchReply)
         loss, taint = reply.metadata.loss, reply.metadata.taint
         assert (loss is not None and math.isfinite(loss)) or taint == [1], reply.metadata
+        peer.announce(VerifierAnnouncement, boundaries=[0, 1], certificate=certificate, state="offline")
+    finally:
+        peer.close()
+
+
+def test_a_flood_of_fake_verifiers_never_lands_and_training_keeps_its_pace(demo):
+    assert demo.flooded == 0  # no peer stored any of the 100 announcements
+    # every microbatch of every step between the flood and the attack gets through (the attacker's are dropped
+    # from ATTACK_START until its exclusion: the other tests look at those)
+    between = [s for s in demo.steps if FLOOD_AT < s["step"] < ATTACK_START]
+    assert len(between) == ATTACK_START - FLOOD_AT - 1
+    assert all(s["microbatches"] == demo.config.pipeline.microbatches_per_step for s in between), between
+    assert demo.trainer_summary["accounting"]["failed"] == 0
+    late = demo.scrapes[SCRAPE_AT[1]]  # read after the flood: every node counts the two real verifiers only
+    assert late["trainer"][("sentinel_swarm_peers", "verifier")] == 2
+    assert late["stage1-0"][("sentinel_swarm_peers", "verifier")] == 2
+
+
+@pytest.fixture(scope="module")
+def intruder(demo) -> Iterator[Peer]:
+    """A peer nobody admitted and nobody has banned yet (the stranger above has been banned by now)."""
+    peer = Peer(demo, ephemeral_identity())
+    yield peer
+    peer.close()
+
+
+def test_a_self_announced_verifier_is_nobodys_verifier(demo, intruder):
+    """Issue 16, attack 3: a peer announced itself as a verifier, relayed without checking and sent corrupt
+    activations straight into an honest stage, whose output a trusted verifier then struck: the honest stage was
+    banned and excluded swarm-wide. Its announcement is refused now, and the stage refuses its activations."""
+    assert not any(intruder.announce_anyway(VerifierAnnouncement, boundaries=[0, 1]))
+    with pytest.raises(RecordError, match="not admitted as a verifier"):
+        intruder.announce(VerifierAnnouncement, boundaries=[0, 1])
+    time.sleep(2 * demo.config.swarm.announce_period)
+    honest = demo.peer("stage1-0")
+    before = demo.node("verifier0").status().ledger.get(honest)
+    route = [Hop(peer_id=demo.peer("verifier0"), boundary=1), Hop(peer_id=demo.peer("stage2-0"))]
+    for _ in range(4):
+        corrupt = intruder.activation() * 1000.0
+        error = intruder.call(honest, STAGE_FORWARD, [corrupt, intruder.tokens()], route)
+        assert isinstance(error, HopRefused) and "admitted for boundary 0|1" in error.detail, error
+    after = demo.node("verifier0").status().ledger.get(honest)
+    assert (after and after.strikes) == (before and before.strikes)  # nothing of it reached verifier0
+    assert honest not in demo.node("verifier0").status().excluded
+
+
+def test_a_self_announced_trainer_cannot_freeze_learning(demo, intruder):
+    """Issue 16, attack 5: any key announcing itself as a trainer called stage.step(2**62); every replica stopped
+    applying updates while the real trainer went on, and the next trainer started counting at 2**62 + 1."""
+    assert not any(intruder.announce_anyway(TrainerAnnouncement, global_step=2**40))
+    time.sleep(2 * demo.config.swarm.announce_period)
+    replicas = ["stage0-0", "stage1-0", "stage2-0"]
+    steps = {name: demo.node(name).status().last_step for name in replicas}
+    for name in replicas:
+        error = intruder.step(demo.peer(name), 2**62)
+        assert isinstance(error, HopRefused) and "only a live trainer the swarm admits" in error.detail, error
+    error = intruder.call(demo.peer("stage0-0"), STAGE_FORWARD, [intruder.tokens(), intruder.tokens()], [], 2**62)
+    assert isinstance(error, HopRefused) and "only from a live trainer the swarm admits" in error.detail, error
+    time.sleep(2 * demo.config.swarm.announce_period)  # a status file is written every announce period
+    assert {name: demo.node(name).status().last_step for name in replicas} == steps
+
+
+def test_an_admitted_trainer_cannot_jump_the_count_either(demo):
+    """Admission is not a blank cheque: a step far ahead of a replica's own is refused and logged as an attack,
+    whether in a step call or in a microbatch's metadata (which once drove the catch-up step instead)."""
+    certificate = RoleCertificate.from_file(demo.certify("second-trainer"))
+    peer = Peer(demo, load_identity_file(demo.swarm.identity("second-trainer")))
+    try:
+        name = "stage0-0"
+        last = demo.node(name).status().last_step
+        deadline = time.monotonic() + 60
+        while True:  # until the replica's view holds the new trainer (announced again, as an Announcer would)
+            peer.announce(TrainerAnnouncement, global_step=STEPS, certificate=certificate)
+            error = peer.step(demo.peer(name), last + 1000)
+            if "the swarm admits" not in str(error) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert isinstance(error, HopRefused) and "more than 16 steps ahead" in error.detail, error
+        route = [Hop(peer_id=demo.peer("verifier0"), boundary=0), Hop(peer_id=demo.peer("stage1-0"))]
+        error = peer.call(demo.peer(name), STAGE_FORWARD, [peer.tokens(), peer.tokens()], route, last + 1000)
+        assert isinstance(error, HopRefused) and "more than 16 steps ahead" in error.detail, error
+        assert demo.node(name).status().last_step == last
+        assert "refused a step call for step" in demo.node(name).log_tail(20000)
+        peer.announce(TrainerAnnouncement, global_step=STEPS, certificate=certificate, state="offline")
     finally:
         peer.close()
 
@@ -345,9 +501,22 @@ def test_an_excluded_peer_is_refused_everywhere(demo):
         peer.close()
 
 
+def test_the_next_trainer_carries_the_count_on_and_every_replica_applies_it(demo):
+    """After the attacks above, a new trainer resumes at the swarm's step (not at 2**62 + 1) and the replicas apply
+    its steps."""
+    summary = demo.train(steps=2, name="trainer2")
+    assert summary["first_step"] == STEPS and summary["steps"] == 2
+    assert summary["accounting"]["failed"] == 0
+    deadline = time.monotonic() + 30
+    live = ["stage0-0", "stage1-0", "stage2-0"]
+    while time.monotonic() < deadline and any(demo.node(n).status().last_step != STEPS + 1 for n in live):
+        time.sleep(0.5)
+    assert {n: demo.node(n).status().last_step for n in live} == dict.fromkeys(live, STEPS + 1)
+
+
 def test_every_process_is_gone_after_stop(demo):
     started = {name: node.process.pid for name, node in demo.swarm.nodes.items()}
-    assert len(started) == 10  # bootstrap, 6 stages, 2 verifiers, trainer
+    assert len(started) == 11  # bootstrap, 6 stages, 2 verifiers, two trainers
     demo.swarm.stop()
     assert demo.swarm.leftovers() == {}
     assert all(node.process.returncode is not None for node in demo.swarm.nodes.values())

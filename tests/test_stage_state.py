@@ -82,6 +82,28 @@ def test_a_killed_replica_resumes_from_its_checkpoint_and_the_step_goes_on(swarm
     wait_for(lambda: max(step for step, _ in list_checkpoints(directory)) == last, what=f"checkpoint {last}")
 
 
+def test_a_replica_behind_the_swarm_refuses_to_serve_unless_told(swarm):
+    """Issue 16: after a restart, the only replica of stage 0 resumed from an old state and served it as current
+    (944 steps of the stage lost, unnoticed). It now refuses, naming both steps, unless --resume-behind."""
+    name = "stage0-0"
+    swarm.swarm.kill(name, signal.SIGTERM)  # its shutdown checkpoint is at the swarm's step
+    swarm.node(name).process.wait(timeout=60)
+    checkpoints = list_checkpoints(swarm.state_dir(name))
+    (newest, path), (older, _) = checkpoints[-1], checkpoints[-2]
+    assert newest == FIRST_RUN + SECOND_RUN - 1 > older
+    path.unlink()  # as if the disk had lost the newest checkpoints: the replica would resume from step `older`
+    restarted = swarm.swarm.restart(name)
+    with pytest.raises(SwarmStartError, match=f"state is at step {older}.*live replicas are at step {newest}") as info:
+        swarm.swarm.wait_ready([restarted], 180)
+    assert "--resume-behind" in str(info.value)
+    assert restarted.process.wait(timeout=30) != 0
+    restarted = swarm.swarm.restart(name, "--resume-behind")
+    swarm.swarm.wait_ready([restarted], 180)
+    status = wait_for(restarted.status, what="the restarted replica's status")
+    assert status.resumed_from == older and status.last_step == newest  # its old state, at the swarm's step
+    assert "--resume-behind: serving step" in restarted.log_tail(20000)
+
+
 def test_a_damaged_checkpoint_stops_the_node_with_a_clear_error(swarm):
     name = "stage2-0"
     swarm.swarm.kill(name, signal.SIGTERM)

@@ -23,7 +23,7 @@ import yaml
 from click.testing import CliRunner, Result
 
 from dht import StrikeRecord, ephemeral_identity
-from peers import ExclusionParams, ExclusionPolicy, StrikeLedger, SwarmView
+from peers import StrikeLedger, SwarmView
 from sentinel_node.cli import main
 from sentinel_node.cli.swarm_tables import render_bans, render_strikes, to_json
 from sentinel_node.config import load_config
@@ -217,7 +217,7 @@ def test_a_stopped_node_leaves_no_child_behind_and_goes_offline(bootstraps, conf
 
 
 def test_strikes_and_bans_render_with_their_verifiers():
-    config = load_config(None).with_overrides(swarm={"trusted_verifiers": [], "ban_quorum": 2})
+    config = load_config(None).with_overrides(swarm={"trusted_verifiers": [], "ban_quorum": 2, "open_verifiers": True})
     verifiers, accused = [ephemeral_identity().peer_id for _ in range(3)], ephemeral_identity().peer_id
     records = [
         StrikeRecord(
@@ -237,8 +237,15 @@ def test_strikes_and_bans_render_with_their_verifiers():
         for v, banned in zip(verifiers, [True, True, False], strict=True)
     ]
     ledger = StrikeLedger.from_records(records)
-    policy = ExclusionPolicy(ExclusionParams(tuple(config.swarm.trusted_verifiers), config.swarm.ban_quorum))
-    view = SwarmView(config.pipeline.n_stages, ledger=ledger, excluded=policy.excluded(ledger), time=110.0)
+    policy = config.swarm.exclusion_policy()
+    voters = frozenset(verifiers)  # seen long enough by this reader (an open set's rule)
+    view = SwarmView(
+        config.pipeline.n_stages,
+        ledger=ledger,
+        excluded=policy.excluded(ledger, voters),
+        time=110.0,
+        open_voters=voters,
+    )
 
     strikes = render_strikes(view, config)
     assert all(v in strikes for v in verifiers) and "1|2" in strikes and "l2=7.5" in strikes and "10s" in strikes
@@ -247,6 +254,19 @@ def test_strikes_and_bans_render_with_their_verifiers():
     report = to_json(view, config, "bans")["bans"]
     assert set(report[accused]["voters"]) == set(verifiers[:2])
     assert [s["vote"] for s in to_json(view, config, "strikes")["strikes"][accused]].count(True) == 2
+    # strict JSON even for a record that holds what no valid record may (built in memory, not read from the DHT)
+    odd = records[0].copy(update={"metrics": {"l2": float("nan"), "l1": float("inf")}})
+    odd_view = SwarmView(config.pipeline.n_stages, ledger=StrikeLedger.from_records([odd]), time=110.0)
+    text = json.dumps(to_json(odd_view, config, "strikes"), allow_nan=False)
+    assert (
+        "NaN" not in text
+        and "Infinity" not in text
+        and json.loads(text)["strikes"][accused][0]["metrics"]
+        == {
+            "l2": None,
+            "l1": None,
+        }
+    )
 
 
 @pytest.mark.slow
@@ -286,3 +306,20 @@ def test_metrics_port_and_relay_options_are_checked_before_anything_starts():
     help_text = CliRunner().invoke(main, ["join", "--help"]).output
     for option in ("--use-relay / --no-use-relay", "--use-auto-relay", "--state-dir", "--metrics-port"):
         assert option in help_text
+
+
+def test_a_bootstrap_on_a_random_port_with_a_kept_identity_warns(tmp_path):
+    """Issue 16: a bootstrap restarted on port 0 came back alone (the nodes that knew its old port could not find
+    it). The README's line gives it a fixed port; one started without says so."""
+    import dataclasses
+
+    from sentinel_node.roles.bootstrap import random_port_warning
+    from sentinel_node.roles.common import JoinOptions
+
+    options = JoinOptions(
+        config=load_config(None), identity_path=str(tmp_path / "boot.key"), host_maddrs=("/ip4/0.0.0.0/tcp/0",)
+    )
+    warning = random_port_warning(options)
+    assert warning is not None and "random port" in warning and "--host-maddrs /ip4/0.0.0.0/tcp/31337" in warning
+    assert random_port_warning(dataclasses.replace(options, host_maddrs=("/ip4/0.0.0.0/tcp/31337",))) is None
+    assert random_port_warning(dataclasses.replace(options, identity_path=None)) is None  # a new peer id anyway

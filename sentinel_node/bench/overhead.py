@@ -31,6 +31,7 @@ from pathlib import Path
 
 import yaml
 
+from dht import create_identity_file, load_identity_file
 from sentinel_node.config import Config, load_config
 from sentinel_node.demo import DEMO_CONFIG_PATH
 from sentinel_node.roles.status import StageStatus, VerifierStatus
@@ -69,10 +70,25 @@ def run_overhead(
         # computation costs what it costs only when no core idles), and no parameter averaging, whose rounds
         # would land on some modes' steps and not others'
         pipeline = {"average_every": NEVER, "microbatches_per_step": settings.microbatches_per_step}
-        config = load_config(settings.config_path).with_overrides(model=dict(settings.model), pipeline=pipeline)
+        (workdir / "identities").mkdir(exist_ok=True, mode=0o700)
+        # a closed swarm, as a real one: its two verifiers (one a plain relay, the bench's point of comparison) and
+        # its trainer are listed by peer id
+        ids = {}
+        for name in ("checking", "relay", "trainer"):
+            path = workdir / "identities" / f"{name}.key"
+            ids[name] = (load_identity_file(path) if path.exists() else create_identity_file(path)).peer_id
+        trust = {
+            "trusted_verifiers": [ids["checking"], ids["relay"]],
+            "trainers": [ids["trainer"]],
+            "ban_quorum": 1,
+            "open_trainers": False,
+            "open_verifiers": False,
+        }
+        config = load_config(settings.config_path).with_overrides(
+            model=dict(settings.model), pipeline=pipeline, swarm=trust
+        )
         config_path = workdir / "swarm.yaml"
         config_path.write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
-        (workdir / "identities").mkdir(exist_ok=True, mode=0o700)
         started = time.monotonic()
         with LocalSwarm(workdir, config_path) as swarm:
             bootstrap = swarm.start("bootstrap", "bootstrap")
@@ -97,7 +113,12 @@ def run_overhead(
                 echo(f"step {log.step:>3} {MODES[log.mode]:>9}: {log.tokens_per_s:7.0f} tokens/s")
 
             summary = run_trainer(
-                JoinOptions(config=config, initial_peers=tuple(swarm.initial_peers), host_maddrs=(LOOPBACK,)),
+                JoinOptions(
+                    config=config,
+                    identity_path=str(workdir / "identities" / "trainer.key"),
+                    initial_peers=tuple(swarm.initial_peers),
+                    host_maddrs=(LOOPBACK,),
+                ),
                 on_ready=lambda *_: None,
                 settings=TrainerOptions(steps=settings.steps, start_step=0, eval_every=0, routing=schedule),
                 on_step=on_step,

@@ -45,6 +45,11 @@ def _pipeline_options(command):
             show_default=True,
             help="stage: global steps between checkpoints (one is also saved on shutdown).",
         ),
+        click.option(
+            "--resume-behind",
+            is_flag=True,
+            help="stage: serve a state older than the swarm's step (it adopts the swarm's step; training is lost).",
+        ),
         click.option("--attack", help="stage, red team: corrupt what it sends with this attack from the catalogue."),
         click.option("--attack-file", help="stage, red team: an attack of your own, PATH.py:NAME."),
         click.option(
@@ -130,6 +135,7 @@ def _role_settings(role: str, opts: dict) -> dict:
             opts["status_file"],
             state_dir=opts["state_dir"],
             checkpoint_every=opts["checkpoint_every"],
+            resume_behind=opts["resume_behind"],
         )
         return {"settings": settings}
     if role == "verifier":
@@ -184,6 +190,12 @@ def _role_settings(role: str, opts: dict) -> dict:
 )
 @click.option("--announce-maddrs", multiple=True, help="Public multiaddrs to tell others (behind NAT or Docker).")
 @click.option(
+    "--certificate",
+    "certificate_path",
+    type=click.Path(dir_okay=False),
+    help="trainer, verifier: the organiser's role certificate for this node (`sentinel-node admit`).",
+)
+@click.option(
     "--use-relay/--no-use-relay",
     default=True,
     show_default=True,
@@ -209,6 +221,7 @@ def join(
     initial_peers: tuple[str, ...],
     host_maddrs: tuple[str, ...],
     announce_maddrs: tuple[str, ...],
+    certificate_path: str | None,
     use_relay: bool,
     use_auto_relay: bool,
     metrics_port: int | None,
@@ -230,7 +243,10 @@ def join(
         metrics_port=metrics_port,
         use_relay=use_relay,
         use_auto_relay=use_auto_relay,
+        certificate_path=certificate_path,
     )
+    if certificate_path and role not in ("trainer", "verifier"):
+        raise click.UsageError(f"--certificate is for trainers and verifiers; a {role} is open to anyone")
     extra = _role_settings(role, role_options)
     from hivemind.utils.logging import use_hivemind_log_handler
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from sentinel_node.cli.admit import admit
 from sentinel_node.cli.join import join
 from sentinel_node.cli.model import export, plan, tokenizer
 from sentinel_node.cli.options import config_option, load
@@ -21,6 +22,7 @@ main.add_command(swarm)
 main.add_command(plan)
 main.add_command(export)
 main.add_command(tokenizer)
+main.add_command(admit)
 
 
 # --- demo: a whole swarm on this machine -----------------------------------------------------------------------

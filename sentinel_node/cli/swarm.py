@@ -35,7 +35,10 @@ def _show_swarm(section: str, initial_peers, config_path, timeout: float, as_jso
         view = read_swarm(config, peers, timeout)
     except NodeStartError as e:
         raise click.ClickException(str(e)) from None
-    click.echo(json.dumps(to_json(view, config, section), indent=2) if as_json else RENDERERS[section](view, config))
+    if as_json:  # strict JSON: no NaN or Infinity, which strict parsers refuse
+        click.echo(json.dumps(to_json(view, config, section), indent=2, allow_nan=False))
+    else:
+        click.echo(RENDERERS[section](view, config))
 
 
 @swarm.command()

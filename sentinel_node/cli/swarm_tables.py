@@ -6,6 +6,8 @@ a :class:`~sentinel_node.roles.common.NodeStartError` naming the addresses tried
 
 from __future__ import annotations
 
+import base64
+import math
 import time
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
@@ -39,12 +41,26 @@ def read_swarm(config: Config, initial_peers: Sequence[str], timeout: float) -> 
 # --- JSON ---
 
 
+def plain(value: object) -> object:
+    """``value`` as strict JSON can hold it: bytes (a certificate's signature) in base64, a number that is not finite
+    as None (strict parsers refuse NaN and Infinity, which Python's json writes by default)."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
 def _announcement(view: SwarmView, a: Announcement) -> dict:
     return {**a.dict(), "live": view.is_live(a), "excluded": view.is_excluded(a.peer_id)}
 
 
-def _strike(policy: ExclusionPolicy, record: StrikeRecord) -> dict:
-    return {**record.dict(), "vote": policy.counts(record)}
+def _strike(policy: ExclusionPolicy, view: SwarmView, record: StrikeRecord) -> dict:
+    return {**record.dict(), "vote": policy.counts(record, view.open_voters)}
 
 
 def to_json(view: SwarmView, config: Config, section: str = "status") -> dict:
@@ -53,35 +69,42 @@ def to_json(view: SwarmView, config: Config, section: str = "status") -> dict:
     health = view.health()
     parts = {
         "peers": [_announcement(view, a) for a in view.announcements()],
-        "strikes": {peer: [_strike(policy, r) for r in view.ledger.about(peer)] for peer in view.ledger.accused()},
+        "strikes": {
+            peer: [_strike(policy, view, r) for r in view.ledger.about(peer)] for peer in view.ledger.accused()
+        },
         "bans": {
             peer: {"voters": list(exclusion.voters), "votes": [r.dict() for r in exclusion.votes]}
             for peer, exclusion in sorted(view.excluded.items())
         },
     }
     if section != "status":
-        return {section: parts[section]}
-    return {
-        "swarm": config.swarm.prefix,
-        "config_hash": config.swarm_hash(),
-        "time": view.time,
-        "n_stages": view.n_stages,
-        "bootstraps": [_announcement(view, a) for _, a in sorted(view.bootstraps.items())],
-        "stages": {
-            str(k): [_announcement(view, a) for _, a in sorted(view.stages.get(k, {}).items())]
-            for k in range(view.n_stages)
-        },
-        "verifiers": [_announcement(view, a) for _, a in sorted(view.verifiers.items())],
-        "trainers": [_announcement(view, a) for _, a in sorted(view.trainers.items())],
-        "strikes": parts["strikes"],
-        "bans": parts["bans"],
-        "health": {
-            "ok": health.ok,
-            "stages_without_replica": list(health.stages_without_replica),
-            "boundaries_without_verifier": list(health.boundaries_without_verifier),
-            "summary": health.summary(),
-        },
-    }
+        return plain({section: parts[section]})
+    return plain(
+        {
+            "swarm": config.swarm.prefix,
+            "config_hash": config.swarm_hash(),
+            "time": view.time,
+            "n_stages": view.n_stages,
+            "bootstraps": [_announcement(view, a) for _, a in sorted(view.bootstraps.items())],
+            "stages": {
+                str(k): [_announcement(view, a) for _, a in sorted(view.stages.get(k, {}).items())]
+                for k in range(view.n_stages)
+            },
+            "verifiers": [_announcement(view, a) for _, a in sorted(view.verifiers.items())],
+            "trainers": [_announcement(view, a) for _, a in sorted(view.trainers.items())],
+            "strikes": parts["strikes"],
+            "bans": parts["bans"],
+            "health": {
+                "ok": health.ok,
+                "stages_without_replica": list(health.stages_without_replica),
+                "boundaries_without_verifier": list(health.boundaries_without_verifier),
+                "summary": health.summary(),
+            },
+            "checkpoint_problems": {
+                a.peer_id: a.checkpoint_problem for a in view.announcements() if getattr(a, "checkpoint_problem", None)
+            },
+        }
+    )
 
 
 # --- tables ---
@@ -111,7 +134,7 @@ def render_status(view: SwarmView, config: Config) -> str:
     for k in range(view.n_stages):
         replicas = [a for _, a in sorted(view.stages.get(k, {}).items())]
         if not replicas:
-            stage_rows.append([k, "-", "(no replica)", "", "", "", ""])
+            stage_rows.append([k, "-", "(no replica)", "", "", "", "", ""])
         for a in replicas:
             stage_rows.append(
                 [
@@ -121,9 +144,15 @@ def render_status(view: SwarmView, config: Config) -> str:
                     "-" if a.last_step < 0 else a.last_step,
                     f"{a.throughput:.1f}",
                     "yes" if a.relayed else "no",
+                    "FAILING" if a.checkpoint_problem else "ok",
                     a.version,
                 ]
             )
+    problems = [
+        f"  {a.peer_id}: {a.checkpoint_problem}"
+        for a in view.announcements()
+        if getattr(a, "checkpoint_problem", None)
+    ]
     verifier_rows = [
         [
             " ".join(f"{b}|{b + 1}" for b in a.boundaries),
@@ -143,11 +172,13 @@ def render_status(view: SwarmView, config: Config) -> str:
         [
             f"swarm {config.swarm.prefix}  config {config.swarm_hash()}  read {stamp}",
             "BOOTSTRAPS\n" + table(["PEER", "STATE", "MULTIADDRS"], bootstrap_rows),
-            "STAGES\n" + table(["STAGE", "PEER", "STATE", "STEP", "THROUGHPUT", "RELAYED", "VERSION"], stage_rows),
+            "STAGES\n"
+            + table(["STAGE", "PEER", "STATE", "STEP", "THROUGHPUT", "RELAYED", "CHECKPOINTS", "VERSION"], stage_rows),
             "VERIFIERS\n" + table(["BOUNDARIES", "PEER", "STATE", "THROUGHPUT", "RELAYED"], verifier_rows),
             "TRAINERS\n" + table(["PEER", "STATE", "STEP", "LOSS"], trainer_rows),
             f"excluded peers: {len(view.excluded)}   strike records: {len(view.ledger)}",
             "health: " + view.health().summary(),
+            *(["checkpoints that cannot be written:\n" + "\n".join(problems)] if problems else []),
         ]
     )
 
@@ -181,7 +212,7 @@ def render_strikes(view: SwarmView, config: Config) -> str:
             r.strikes,
             f"{r.flags}/{r.checks}",
             "yes" if r.banned else "no",
-            "yes" if policy.counts(r) else "no",
+            "yes" if policy.counts(r, view.open_voters) else "no",
             _age(view, r.time),
             " ".join(f"{name}={value:.3g}" for name, value in sorted(r.metrics.items())),
         ]
@@ -197,10 +228,18 @@ def render_bans(view: SwarmView, config: Config) -> str:
         [peer, f"{len(exclusion.votes)}/{quorum}", ", ".join(exclusion.voters)]
         for peer, exclusion in sorted(view.excluded.items())
     ]
-    trusted = len(config.swarm.trusted_verifiers)
-    voters = (
-        f"{quorum} of the {trusted} trusted verifiers" if trusted else f"{quorum} verifiers (open set: any verifier)"
-    )
+    swarm = config.swarm
+    admitted = []
+    if swarm.trusted_verifiers:
+        admitted.append(f"the {len(swarm.trusted_verifiers)} trusted verifiers")
+    if swarm.organiser:
+        admitted.append("verifiers the organiser certified")
+    if swarm.open_verifiers:
+        admitted.append(
+            f"(open set) any verifier this reader has seen announced for {swarm.min_voter_age:.0f}s and not "
+            "excluded, which a one-shot read never has"
+        )
+    voters = f"{quorum} of: " + "; ".join(admitted)
     header = f"a peer is excluded while {voters} hold a live ban on it"
     return header + "\n" + table(["PEER", "VOTES", "VOTERS"], rows, empty="no peer is excluded")
 

@@ -18,8 +18,10 @@ files.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,31 +176,81 @@ def snapshot_state(worker: StageWorker, step: int, config_hash: str) -> dict[str
     return payload
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written; the message says why in words (disk full, the path, the bytes needed)."""
+
+
+def payload_bytes(payload: dict[str, Any]) -> int:
+    """About what a checkpoint of ``payload`` takes on disk: its tensors' bytes (the rest is small)."""
+    total = 0
+    for value in payload["model"].values():
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+    for values in payload["optimizer"].get("state", {}).values():
+        for value in values.values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total + (1 << 16)
+
+
 def write_checkpoint(payload: dict[str, Any], directory: str | Path, keep: int = 2) -> Path:
-    """Writes a snapshot (:func:`snapshot_state`) atomically, prunes to the `keep` newest; returns its path."""
+    """Writes a snapshot (:func:`snapshot_state`) atomically, prunes to the `keep` newest; returns its path.
+
+    CheckpointWriteError saying why when it cannot: a disk without room for it is found before writing (torch
+    says only "enforce fail at inline_container.cc" when it runs out of room mid-way)."""
     if keep < 1:
         raise ValueError(f"keep={keep} must be at least 1")
     step = payload["step"]
     directory = Path(directory)
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _remove_stale_temporaries(directory)
+    needed = payload_bytes(payload)
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _remove_stale_temporaries(directory)
+    except OSError as e:
+        raise CheckpointWriteError(f"cannot write checkpoints into {directory}: {e.strerror or e}") from None
+    free = _free_bytes(directory)
+    if free is not None and free < needed:
+        raise CheckpointWriteError(_disk_full(directory, step, needed, free))
     final = checkpoint_path(directory, step)
-    # mkstemp creates the file 0600: the owner alone may read or replace a node's weights
-    fd, tmp_name = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=_TMP_SUFFIX, dir=directory)
+    try:
+        # mkstemp creates the file 0600: the owner alone may read or replace a node's weights
+        fd, tmp_name = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=_TMP_SUFFIX, dir=directory)
+    except OSError as e:
+        raise CheckpointWriteError(f"cannot create a checkpoint in {directory}: {e.strerror or e}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, final)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp_name)
+        if isinstance(e, Exception):
+            free = _free_bytes(directory)
+            if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or (free is not None and free < needed):
+                raise CheckpointWriteError(_disk_full(directory, step, needed, free or 0)) from None
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointWriteError(f"checkpoint {final} could not be written: {reason}") from None
         raise
     _fsync_directory(directory)
     _prune(directory, final, step, keep)
     logger.debug(f"stage {payload['stage']}: saved checkpoint {final}")
     return final
+
+
+def _free_bytes(directory: Path) -> int | None:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def _disk_full(directory: Path, step: int, needed: int, free: int) -> str:
+    return (
+        f"disk full: the checkpoint of step {step} needs about {needed / 2**20:.1f} MiB in {directory}, which has "
+        f"{free / 2**20:.1f} MiB free; free some space or point --state-dir elsewhere"
+    )
 
 
 def _copy(value: Any) -> Any:

@@ -107,7 +107,10 @@ class StageWorker:
         return float(loss.detach()), grad
 
     def backward(self, microbatch: str, grad_output: torch.Tensor) -> torch.Tensor | None:
-        """Accumulates gradients for `microbatch`; returns the gradient for the stage's input (None on stage 0)."""
+        """Accumulates gradients for `microbatch`; returns the gradient for the stage's input (None on stage 0).
+        LookupError when its forward was discarded meanwhile (its call was cancelled)."""
+        if microbatch not in self._pending:
+            raise LookupError(f"microbatch {microbatch} has no forward pass awaiting backward (it was discarded)")
         inputs, output = self._pending.pop(microbatch)
         output.backward(grad_output.to(device=self.device, dtype=output.dtype))
         self.accumulated += 1

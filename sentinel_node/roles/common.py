@@ -26,7 +26,7 @@ import hivemind
 from hivemind.utils import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 
-from dht import Identity, RecordStore, SwarmKeys, create_identity_file, load_identity_file, swarm_validators
+from dht import Identity, RecordStore, cap_subkeys, create_identity_file, load_identity_file, swarm_validators
 from sentinel_node.config import Config
 from sentinel_node.processes import alive, descendants
 
@@ -58,6 +58,7 @@ class JoinOptions:
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port)
     use_relay: bool = True  # may reach peers that are themselves reachable only through a relay
     use_auto_relay: bool = False  # behind NAT: find relays and be reachable through them
+    certificate_path: str | None = None  # the organiser's role certificate (trainers, verifiers)
 
 
 def peer_ids_of(maddrs: Iterable[str]) -> list[str]:
@@ -139,13 +140,15 @@ def start_dht(
     use_relay: bool = True,
     use_auto_relay: bool = False,
 ) -> hivemind.DHT:
-    """A running DHT node of the swarm (its libp2p identity is ``identity`` when that has a file); NodeStartError
-    within ``timeout`` seconds if it cannot start or reach ``initial_peers``."""
+    """A running DHT node of the swarm (its libp2p identity is ``identity`` when that has a file), validating every
+    record by the swarm's rules and capping every key's subkeys (dht.capacity); NodeStartError within ``timeout``
+    seconds if it cannot start or reach ``initial_peers``."""
     initial_peers, announce_maddrs = list(initial_peers), list(announce_maddrs)
+    rules = config.swarm_rules()
     dht = hivemind.DHT(
         initial_peers=initial_peers,
         start=False,
-        record_validators=swarm_validators(config.swarm.prefix, identity),
+        record_validators=swarm_validators(rules, identity),
         client_mode=client_mode,
         host_maddrs=list(host_maddrs),
         announce_maddrs=announce_maddrs or None,
@@ -169,6 +172,11 @@ def start_dht(
                 "Check that a bootstrap node is running there and that the addresses end in /p2p/<its peer id>"
             ) from None
         raise NodeStartError(f"the DHT node failed to start: {e}") from None
+    try:
+        cap_subkeys(dht, rules.max_subkeys, timeout=timeout)
+    except Exception as e:
+        stop_dht(dht)
+        raise NodeStartError(f"the DHT node did not take its storage limits: {type(e).__name__}: {e}") from None
     return dht
 
 
@@ -195,7 +203,7 @@ def record_store(
     """The swarm's records through ``dht``; ``identity=None`` makes it read-only. Reads time out after
     ``timeout`` seconds (default: the config's request_timeout)."""
     timeout = config.swarm.request_timeout if timeout is None else timeout
-    return RecordStore(dht, SwarmKeys(config.swarm.prefix), config.swarm_hash(), identity, timeout=timeout)
+    return RecordStore(dht, config.swarm_rules(), identity, timeout=timeout)
 
 
 class StopSignals:

@@ -57,6 +57,9 @@ METRICS: dict[str, MetricSpec] = {
     "sentinel_loss": MetricSpec("gauge", "The latest loss, by split (train, validation).", ("split",)),
     "sentinel_global_step": MetricSpec("gauge", "The last global step this node applied or completed."),
     "sentinel_checkpoints_saved": MetricSpec("counter", "Checkpoints this stage replica wrote."),
+    "sentinel_checkpoint_failures": MetricSpec(
+        "counter", "Checkpoints this stage replica could not write (the log and `swarm status` say why)."
+    ),
 }
 
 

@@ -221,6 +221,11 @@ class Node:
 
     async def serve(self, on_ready: Callable[[str, list[str]], None]) -> Any:
         context = self.context
+        for role in self.config.swarm.unadmittable_roles():
+            logger.warning(
+                f"the swarm config admits no {role}: list peer ids in it, name an organiser, or make the role open "
+                "(docs/security.md); until then the pipeline cannot run"
+            )
         metrics = serve_metrics(
             context, self.role, self.samples, view=(lambda: self.views.view) if self.keeps_view else None
         )

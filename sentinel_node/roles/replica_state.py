@@ -22,6 +22,7 @@ from sentinel_node.pipeline import StageWorker
 from sentinel_node.pipeline.checkpoint import (
     CheckpointError,
     CheckpointPolicy,
+    CheckpointWriteError,
     capture_state,
     load_checkpoint,
     restore_state,
@@ -53,6 +54,8 @@ class ReplicaState:
         self.resumed_from: int | None = None  # the checkpoint's step this replica started from
         self.synced_from: str | None = None  # the replica whose state this one took when it joined
         self.saved = 0
+        self.failed = 0  # checkpoints that could not be written
+        self.problem: str | None = None  # why the last one could not be written, until one is
         self.policy = CheckpointPolicy(checkpoint_every) if state_dir is not None else None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"checkpoints{self.stage}")
         self._writing: Future | None = None
@@ -93,9 +96,16 @@ class ReplicaState:
         try:
             write_checkpoint(payload, self.state_dir)
         except Exception as e:  # a full disk, a lost mount: the replica serves on and tries again
-            logger.warning(f"stage {self.stage}: checkpoint at step {payload['step']} not saved: {e}")
+            problem = str(e) if isinstance(e, CheckpointWriteError) else f"{type(e).__name__}: {e}"
+            if self.problem is None or _kind(problem) != _kind(self.problem):  # once per problem, not per step
+                logger.error(f"stage {self.stage}: checkpoint at step {payload['step']} not saved: {problem}")
+            self.problem = problem
+            self.failed += 1
             self.policy.last_saved = previous  # due again at the next step
             return
+        if self.problem is not None:
+            logger.info(f"stage {self.stage}: checkpoints are written again (step {payload['step']})")
+        self.problem = None
         self.saved += 1
 
     def flush(self) -> None:
@@ -172,3 +182,8 @@ class ReplicaState:
         for values in self.worker.optimizer.state_dict()["state"].values():
             tensors += [v for v in values.values() if isinstance(v, torch.Tensor)]
         return 4 * sum(t.numel() * t.element_size() for t in tensors) + (1 << 20)
+
+
+def _kind(problem: str) -> str:
+    """What a checkpoint problem is, whatever step or byte count it names ("disk full", ...)."""
+    return problem.split(":", 1)[0]

@@ -8,11 +8,15 @@ answers its own caller with the gradient for its input. The last stage computes 
 input gradient at once. An answer without a gradient means a verifier dropped the microbatch's gradient: the
 stage forgets its graph and passes that on.
 
-Callers: activations are accepted only from a live verifier announced for the input boundary (stage 0: from a
-live trainer), never from an excluded peer; the caller is the authenticated peer id of the connection.
+Callers: activations are accepted only from a live verifier admitted for the input boundary (stage 0: from a
+live admitted trainer), never from an excluded peer; the caller is the authenticated peer id of the connection. The
+next hop is called only if it is a live verifier admitted for the output boundary, whatever the route says (the
+route comes from the caller). Admission is the swarm's trust roots' (docs/security.md), read from the swarm view.
 
-Steps: ``sentinel.stage.step`` (from a live trainer) applies the mean of the gradients accumulated since the last
-step; a forward for a later step first applies a step that was missed. Every ``pipeline.average_every`` steps the
+Steps: ``sentinel.stage.step`` (from a live admitted trainer) applies the mean of the gradients accumulated since
+the last step; a forward for a later step first applies a step that was missed. Steps only go forward, and one more
+than MAX_STEP_AHEAD ahead of both this replica's and the swarm's (as the live replicas announce it) is refused and
+logged as an attack, whether it comes in a step call or in a microbatch. Every ``pipeline.average_every`` steps the
 replica averages its parameters with the stage's other live replicas (see :mod:`sentinel_node.roles.averaging`).
 
 State: with ``--state-dir`` the replica resumes from its newest checkpoint there, and saves one every
@@ -54,6 +58,7 @@ from sentinel_node.roles.replica_state import ReplicaState
 from sentinel_node.roles.status import NodeStatus, ReachabilityStatus, StageStatus
 from sentinel_node.roles.views import Gatekeeper, live_trainer, live_verifier
 from sentinel_node.roles.wire import (
+    MAX_STEP_AHEAD,
     STAGE_FORWARD,
     STAGE_STEP,
     VERIFIER_RELAY,
@@ -109,6 +114,7 @@ class StageOptions:
     average: bool = True
     state_dir: str | None = None  # checkpoints: resume from, and save to, this directory
     checkpoint_every: int = 10  # global steps between checkpoints
+    resume_behind: bool = False  # serve a state older than the swarm's step (adopting the swarm's step)
 
 
 def run_stage(
@@ -141,7 +147,7 @@ def run_stage(
             averager = ReplicaAverager(
                 worker.module,
                 context.dht,
-                prefix=f"{config.swarm.prefix}_stage{settings.stage}",
+                prefix=context.store.keys.averager(settings.stage),  # validators know exactly these keys
                 matchmaking_time=AVERAGE_MATCHMAKING_S,
                 timeout=AVERAGE_TIMEOUT_S,
             )
@@ -202,6 +208,8 @@ class StageNode(Node):
         if self.averager is not None:
             await self.state.sync(self._other_replicas, self.averager, self.lane)
             self.last_step = self.state.step
+        await self._check_not_behind()
+        if self.averager is not None:
             self.averager.share_state(self.state.current)
             self.views.listeners.append(lambda view: self.averager.set_excluded(view.excluded))
         tokens, cpu_s = await self.lane.run(self._benchmark)
@@ -212,8 +220,12 @@ class StageNode(Node):
             expect = [self.shapes.tokens, self.shapes.tokens]
         else:
             expect = [self.shapes.hidden_spec, self.shapes.tokens]
-        await server.add_handler(STAGE_FORWARD, self._forward, PipelineRequest, authorize=self._admit, expect=expect)
-        await server.add_handler(STAGE_STEP, self._step, StepRequest, authorize=self._admit_step, expect=[])
+        await server.add_handler(
+            STAGE_FORWARD, self._forward, PipelineRequest, admit=self._admit, authorize=self._authorize, expect=expect
+        )
+        await server.add_handler(
+            STAGE_STEP, self._step, StepRequest, admit=self._admit_step, authorize=self._authorize_step, expect=[]
+        )
 
     def announcement(self) -> StageAnnouncement:
         return self.announced(
@@ -242,6 +254,30 @@ class StageNode(Node):
     def close(self) -> None:
         self.lane.close()
 
+    async def _check_not_behind(self) -> None:
+        """A replica whose state is older than the swarm's step must not serve it as current: the stage would go back
+        to that state unnoticed (a restart from a stale checkpoint once lost 944 steps). NodeError naming both steps,
+        unless ``resume_behind``, which adopts the swarm's step for this state."""
+        view = await self.views.refresh(force=True)
+        swarm_step = view.step_estimate(exclude=self.peer_id)
+        if self.last_step >= swarm_step:
+            return
+        mine = "fresh weights" if self.last_step < 0 else f"step {self.last_step}"
+        where = f" (checkpoint in {self.state.state_dir})" if self.state.resumed_from is not None else ""
+        if not self.settings.resume_behind:
+            raise NodeError(
+                f"stage {self.stage}: this replica's state is at {mine}{where}, but the swarm's live replicas are at "
+                f"step {swarm_step}; serving it would set the stage back {swarm_step - self.last_step} steps. Restore "
+                "a newer checkpoint into --state-dir, or rejoin with --resume-behind to serve this state at the "
+                f"swarm's step {swarm_step} knowingly"
+            )
+        logger.warning(
+            f"stage {self.stage}: --resume-behind: serving {mine}{where} as step {swarm_step}, the swarm's step "
+            f"({swarm_step - self.last_step} steps of training on this stage are lost)"
+        )
+        with self.state.lock:
+            self.state.step = self.last_step = swarm_step
+
     async def _other_replicas(self) -> list[str]:
         view = await self.views.refresh(force=True)
         return [a.peer_id for a in view.live_replicas(self.stage) if a.peer_id != self.peer_id]
@@ -251,6 +287,7 @@ class StageNode(Node):
             Sample("sentinel_global_step", self.last_step),
             Sample("sentinel_tokens_per_second", self.throughput.samples_per_second),
             Sample("sentinel_checkpoints_saved", self.state.saved),
+            Sample("sentinel_checkpoint_failures", self.state.failed),
         ]
         for outcome in ("served", "evaluated", "dropped", "failed"):
             samples.append(Sample("sentinel_microbatches", self.stats[outcome], (outcome,)))
@@ -267,6 +304,9 @@ class StageNode(Node):
             self.announcer.update(throughput=float(self.throughput.samples_per_second))
         if self.announcer.record.last_step != self.last_step:
             self.announcer.update(last_step=self.last_step)
+        problem = None if self.state.problem is None else self.state.problem[:256]
+        if self.announcer.record.checkpoint_problem != problem:
+            self.announcer.update(checkpoint_problem=problem)
         self.write_status()
 
     def _benchmark(self, rounds: int = 3) -> tuple[int, float]:
@@ -298,6 +338,8 @@ class StageNode(Node):
             resumed_from=self.state.resumed_from,
             synced_from=self.state.synced_from,
             checkpoints=self.state.saved,
+            checkpoint_failures=self.state.failed,
+            checkpoint_problem=self.state.problem,
             reachability=None if reach is None else ReachabilityStatus(**reach.as_dict()),
             averaging_rounds=self.averager.rounds if self.averager else 0,
             averaged_with=self.averaged_with,
@@ -311,24 +353,51 @@ class StageNode(Node):
 
     # --- who may call
 
-    async def _admit(self, caller: str, metadata: PipelineRequest) -> None:
+    async def _admit(self, caller: str) -> None:
+        """Who may send this stage microbatches (decided on the peer id alone, before reading the request)."""
         if self.stage == 0:
             await self.gate.require(
-                caller, lambda view: live_trainer(view, caller), "stage 0 takes microbatches only from a live trainer"
+                caller,
+                lambda view: live_trainer(view, caller),
+                "stage 0 takes microbatches only from a live trainer the swarm admits",
             )
         else:
             boundary = self.stage - 1
             await self.gate.require(
                 caller,
                 lambda view: live_verifier(view, caller, boundary),
-                f"stage {self.stage} accepts activations only from a verifier announced for boundary "
+                f"stage {self.stage} accepts activations only from a live verifier admitted for boundary "
                 f"{boundary}|{self.stage}",
             )
-        if not self.worker.is_last and not metadata.route:
-            raise HopRefused(f"stage {self.stage} is not the last stage: the route must name the next hop")
 
-    async def _admit_step(self, caller: str, metadata: StepRequest) -> None:
-        await self.gate.require(caller, lambda view: live_trainer(view, caller), "only a live trainer paces steps")
+    def _authorize(self, caller: str, metadata: PipelineRequest) -> None:
+        if not self.worker.is_last:
+            if not metadata.route:
+                raise HopRefused(f"stage {self.stage} is not the last stage: the route must name the next hop")
+            if metadata.route[0].boundary != self.stage:
+                raise HopRefused(f"the hop after stage {self.stage} must be a verifier of boundary {self.stage}")
+        self._check_step(metadata.step, caller, "a microbatch")
+
+    async def _admit_step(self, caller: str) -> None:
+        await self.gate.require(
+            caller, lambda view: live_trainer(view, caller), "only a live trainer the swarm admits paces steps"
+        )
+
+    def _authorize_step(self, caller: str, metadata: StepRequest) -> None:
+        self._check_step(metadata.step, caller, "a step call")
+
+    def _check_step(self, step: int, caller: str, what: str) -> None:
+        """Refuses a step far ahead of this replica's own and of the swarm's (an attack: it would freeze learning,
+        every real step counting as already applied)."""
+        horizon = max(self.last_step, self.views.view.step_estimate(exclude=self.peer_id)) + MAX_STEP_AHEAD
+        if step > horizon:
+            logger.warning(
+                f"stage {self.stage}: refused {what} for step {step} from {caller}: this replica is at step "
+                f"{self.last_step}, at most {horizon} is plausible (an attack, or a trainer counting wrong)"
+            )
+            raise HopRefused(
+                f"step {step} is more than {MAX_STEP_AHEAD} steps ahead of stage {self.stage}'s {self.last_step}"
+            )
 
     # --- microbatches
 
@@ -391,7 +460,11 @@ class StageNode(Node):
             tensors,
             next_meta,
             self.transport,
-            nobody=f"every verifier the route names for boundary {self.stage}|{self.stage + 1} is excluded",
+            nobody=f"no verifier the route names for boundary {self.stage}|{self.stage + 1} is live, admitted and "
+            "not excluded",
+            allowed=lambda peer: live_verifier(self.views.view, peer, self.stage),
+            max_reply_bytes=self.shapes.activation_bytes,
+            refresh=lambda: self.views.refresh(force=True),
         )
 
     def _fits(self, tensor: torch.Tensor) -> bool:

@@ -61,6 +61,8 @@ class StageStatus(NodeStatus):
     resumed_from: int | None
     synced_from: str | None
     checkpoints: int
+    checkpoint_failures: int = 0
+    checkpoint_problem: str | None = None  # why the last checkpoint could not be written, until one is
     reachability: ReachabilityStatus | None
     averaging_rounds: int
     averaged_with: list[str]

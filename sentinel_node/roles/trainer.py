@@ -39,16 +39,25 @@ import torch
 from hivemind.utils import get_logger
 
 from dht import TrainerAnnouncement
-from peers import LivenessBlacklist, NoRouteError, Route, SwarmView, choose_route, expand
+from peers import LivenessBlacklist, NoRouteError, PairBlacklist, Route, SwarmView, choose_route, expand
 from sentinel_node.data import DataError, TrainingData, load_training_data
+from sentinel_node.roles.admission import admitted_certificate
 from sentinel_node.roles.calls import note_failures
 from sentinel_node.roles.common import JoinOptions, NodeError
 from sentinel_node.roles.metrics import Sample
 from sentinel_node.roles.node import Node, NodeContext, started_node, wait_for_stop
 from sentinel_node.roles.route_modes import RoutingSchedule
 from sentinel_node.roles.status import AccountingStatus, NodeStatus, TrainerStatus
-from sentinel_node.roles.wire import STAGE_FORWARD, STAGE_STEP, PipelineRequest, Shapes, StepReply, StepRequest
-from sentinel_node.transport import Hop, HopError, Reply, call_first_available, call_peer
+from sentinel_node.roles.wire import (
+    MAX_STEP_AHEAD,
+    STAGE_FORWARD,
+    STAGE_STEP,
+    PipelineRequest,
+    Shapes,
+    StepReply,
+    StepRequest,
+)
+from sentinel_node.transport import Hop, HopError, HopRefused, Reply, call_first_available, call_peer
 
 logger = get_logger(__name__)
 
@@ -209,7 +218,11 @@ class TrainerNode(Node):
         self.settings, self.data, self.on_step = settings, data, on_step
         pipe = self.config.pipeline
         self.shapes = Shapes.of(self.config)
+        self.certificate = admitted_certificate(self.config, self.peer_id, "trainer", context.options.certificate_path)
         self.blacklist = LivenessBlacklist()
+        # (verifier, replica) pairs that refused each other: a ban short of the quorum refuses every route through
+        # the pair, so it is kept off routes for a while (backing off) while others exist
+        self.apart = PairBlacklist()
         seed = self.config.swarm.seed if settings.seed is None else settings.seed
         self.route_rng = random.Random(seed + 1)
         try:
@@ -232,7 +245,7 @@ class TrainerNode(Node):
     # --- lifecycle hooks
 
     def announcement(self) -> TrainerAnnouncement:
-        return self.announced(TrainerAnnouncement, global_step=0, loss=None)
+        return self.announced(TrainerAnnouncement, global_step=0, loss=None, certificate=self.certificate)
 
     def ready_line(self) -> str:
         return f"trainer {self.peer_id} joined swarm {self.config.swarm.prefix}"
@@ -393,8 +406,11 @@ class TrainerNode(Node):
                     results = await asyncio.gather(*calls, return_exceptions=True)
                     errors = [r for r in results if isinstance(r, BaseException)]
                     if errors:
-                        await self._after_failure(name, attempt, errors, avoid)
+                        await self._after_failure(name, attempt, errors, avoid, routes)
                         continue
+                    for hops in routes:
+                        for a, b in zip(hops, hops[1:], strict=False):
+                            self.apart.register_success(a.peer_id, b.peer_id)
                     losses = [r.metadata.loss for r in results]
                     if None in losses:
                         outcome = "dropped"
@@ -423,25 +439,47 @@ class TrainerNode(Node):
         )
         candidates = [hops[0].peer_id, *hops[0].alternates]
         reply = await call_first_available(
-            self.p2p, candidates, STAGE_FORWARD, [inputs, targets], meta, settings=self.transport
+            self.p2p,
+            candidates,
+            STAGE_FORWARD,
+            [inputs, targets],
+            meta,
+            settings=self.transport,
+            max_reply_bytes=self.shapes.activation_bytes,
         )
         note_failures(self.blacklist, reply.failures)
         return reply
 
-    async def _after_failure(self, name: str, attempt: int, errors: list[BaseException], avoid: set[str]) -> None:
+    async def _after_failure(
+        self, name: str, attempt: int, errors: list[BaseException], avoid: set[str], routes: list[list[Hop]]
+    ) -> None:
         for error in errors:
             if not isinstance(error, HopError):
                 raise error
             failures = error.failures or [error]
             note_failures(self.blacklist, failures)
             # a peer that failed to answer is avoided; one that refused did its job (the culprit of a refusal is
-            # the refusing peer, not the peer it refused)
+            # the refusing peer, not the peer it refused), but it will refuse its neighbours on this route again
             avoid.update(f.culprit for f in failures if f.culprit and f.cause.avoid)
+            for failure in failures:
+                if failure.culprit and issubclass(failure.cause, HopRefused):
+                    self._keep_apart(failure.culprit, routes)
             logger.info(f"microbatch {name}: attempt {attempt + 1} failed: {error}")
         if any(isinstance(e, HopError) and e.cause.view_behind for e in errors):
             # our view or theirs is behind (a peer just joined, or was just banned): catch up
             await asyncio.sleep(self.config.swarm.announce_period)
             await self.views.refresh(force=True)
+
+    def _keep_apart(self, refuser: str, routes: list[list[Hop]]) -> None:
+        """Keeps ``refuser`` off routes next to the peers it was next to on these routes, for a while."""
+        for hops in routes:
+            peers = [hop.peer_id for hop in hops]
+            if refuser not in peers:
+                continue
+            at = peers.index(refuser)
+            for neighbour in peers[max(0, at - 1) : at] + peers[at + 1 : at + 2]:
+                seconds = self.apart.register_refusal(refuser, neighbour)
+                logger.info(f"keeping {refuser} and {neighbour} apart on routes for {seconds:.0f}s (a refusal)")
 
     async def _routes(self, avoid: set[str], copies: int, barred: set[str]) -> list[list[Hop]] | None:
         """``copies`` routes, never through ``barred`` verifiers; duplicates go through other replicas than the first
@@ -463,7 +501,7 @@ class TrainerNode(Node):
         avoid = avoid | barred
         try:
             try:
-                route = choose_route(view, self.route_rng, self.blacklist, avoid)
+                route = choose_route(view, self.route_rng, self.blacklist, avoid, apart=self.apart.apart)
             except NoRouteError:
                 # better a peer that failed this microbatch once than none at all
                 route = choose_route(view, self.route_rng, None, barred)
@@ -482,14 +520,21 @@ class TrainerNode(Node):
 
     def _resume_step(self) -> int:
         """Where this trainer's step count starts: stages apply each global step once, so a trainer that joins a
-        swarm which already trained continues its count (from other trainers' announcements, or the stages' when
-        no trainer announces any more)."""
+        swarm which already trained continues its count, after the step the live stages announce (robust to a
+        minority of lying replicas, see ``SwarmView.step_estimate``) or the one other admitted trainers announce,
+        when that is at most MAX_STEP_AHEAD further (a claim beyond what the stages show is ignored and logged)."""
         if self.settings.start_step is not None:
             return self.settings.start_step
         view = self.views.view
+        stages = view.step_estimate() + 1
         others = [a.global_step for a in view.trainers.values() if a.peer_id != self.peer_id]
-        stages = [a.last_step + 1 for k in range(view.n_stages) for a in view.live_replicas(k)]
-        return max(others + stages, default=0)
+        plausible = [step for step in others if step <= stages + MAX_STEP_AHEAD]
+        for step in sorted(set(others) - set(plausible)):
+            logger.warning(
+                f"ignoring a trainer's announced step {step}: the live stages are at step {stages - 1}, more than "
+                f"{MAX_STEP_AHEAD} behind it"
+            )
+        return max([stages, *plausible])
 
     async def _step_all(self, step: int) -> None:
         """Tells every live stage replica that global step ``step`` is complete."""
@@ -498,13 +543,24 @@ class TrainerNode(Node):
         meta = StepRequest(deadline=time.time() + STEP_CALL_TIMEOUT_S, step=step)
         results = await asyncio.gather(
             *(
-                call_peer(self.p2p, peer, STAGE_STEP, [], meta, settings=self.transport, reply_model=StepReply)
+                call_peer(
+                    self.p2p,
+                    peer,
+                    STAGE_STEP,
+                    [],
+                    meta,
+                    settings=self.transport,
+                    reply_model=StepReply,
+                    max_reply_bytes=0,
+                )
                 for peer in replicas
             ),
             return_exceptions=True,
         )
         for peer, result in zip(replicas, results, strict=True):
-            if isinstance(result, BaseException):
+            if isinstance(result, HopRefused):
+                logger.warning(f"replica {peer} refused the step call for step {step}: {result}")
+            elif isinstance(result, BaseException):
                 # it applies the step when the next microbatch reaches it, if it is alive
                 logger.info(f"step call to {peer} failed: {result}")
 

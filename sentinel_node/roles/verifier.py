@@ -14,8 +14,10 @@ the gradient or its replacement. So a microbatch crosses a boundary as one call,
 - A malformed activation (NaN/Inf, wrong shape or dtype) is a strike for its sender and a ``malformed`` error
   back to it; a malformed gradient is a strike and is dropped (an answer cannot be refused).
 - Strikes and bans are published as signed :class:`~dht.StrikeRecord` (one per accused peer, refreshed on each
-  change, living ``swarm.strike_ttl`` seconds); a peer this verifier banned is refused as a caller and skipped as
-  a next hop. Excluded peers (the swarm's verdict) are refused too.
+  change, living ``swarm.strike_ttl`` seconds, carrying this verifier's role certificate so that every reader can
+  check it is admitted); a peer this verifier banned is refused as a caller and skipped as a next hop. Excluded
+  peers (the swarm's verdict) are refused too.
+- The next hop is called only if it is a live replica of the next stage, whatever the route says.
 """
 
 from __future__ import annotations
@@ -31,16 +33,17 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.utils import get_dht_time, get_logger
 
-from dht import RecordError, RecordStore, StrikeRecord, VerifierAnnouncement
+from dht import RecordError, RecordStore, RoleCertificate, StrikeRecord, VerifierAnnouncement
 from peers import LivenessBlacklist
 from sentinel_node.pipeline import BoundaryVerifier
+from sentinel_node.roles.admission import admitted_certificate
 from sentinel_node.roles.calls import call_hop
 from sentinel_node.roles.common import JoinOptions, NodeError, software_version
 from sentinel_node.roles.compute import ComputeLane
 from sentinel_node.roles.metrics import Sample
 from sentinel_node.roles.node import Node, NodeContext, started_node
 from sentinel_node.roles.status import NodeStatus, ReachabilityStatus, SenderCounts, VerifierStatus
-from sentinel_node.roles.views import Gatekeeper, stage_of
+from sentinel_node.roles.views import Gatekeeper, live_replica, stage_of
 from sentinel_node.roles.wire import STAGE_FORWARD, VERIFIER_RELAY, PipelineRequest, Shapes
 from sentinel_node.transport import (
     Answer,
@@ -52,6 +55,7 @@ from sentinel_node.transport import (
     TensorServer,
     check_tensors,
 )
+from sentinel_node.transport.server import expected_bytes
 from sentinel_node.verification import Verdict
 
 logger = get_logger(__name__)
@@ -118,7 +122,9 @@ def run_verifier(
     """Serves until SIGTERM/SIGINT (or ``stop_event``); runs on a CPU."""
     config = options.config
     n_boundaries = config.pipeline.n_stages - 1
-    boundaries = tuple(sorted(set(settings.boundaries))) or tuple(range(n_boundaries))
+    boundaries = (
+        tuple(sorted(set(settings.boundaries))) or _certified_boundaries(options) or tuple(range(n_boundaries))
+    )
     outside = [b for b in boundaries if not 0 <= b < n_boundaries]
     if outside:
         raise NodeError(
@@ -132,6 +138,17 @@ def run_verifier(
     )
     with started_node(options, stop_event) as context:
         asyncio.run(VerifierNode(context, settings, boundaries, checker).serve(on_ready))
+
+
+def _certified_boundaries(options: JoinOptions) -> tuple[int, ...]:
+    """The boundaries of this verifier's certificate, its default when it names some (empty otherwise)."""
+    if options.certificate_path is None:
+        return ()
+    try:
+        certificate = RoleCertificate.from_file(options.certificate_path)
+    except ValueError:
+        return ()  # reported, with what to do, when the node checks its admission
+    return tuple(certificate.boundaries or ())
 
 
 class StrikePublisher:
@@ -174,7 +191,8 @@ class StrikePublisher:
 
     def _put(self, record: StrikeRecord) -> None:
         try:
-            self.store.put(record, ttl=self.ttl)
+            # written now: a record's time must fit the lifetime it claims (dht.validation), however long it waited
+            self.store.put(record.replace(time=get_dht_time()), ttl=self.ttl)
             self.published += 1
         except RecordError as e:
             logger.error(f"cannot publish a strike record on {record.accused}: {e}")
@@ -198,6 +216,9 @@ class VerifierNode(Node):
         self.gate = Gatekeeper(self.views)
         self.blacklist = LivenessBlacklist()
         self.stats = CheckStats()
+        self.certificate = admitted_certificate(
+            self.config, self.peer_id, "verifier", context.options.certificate_path, self.boundaries
+        )
         self.publisher = StrikePublisher(context.store, self.config.swarm.strike_ttl)
         self._published: dict[str, tuple[int, int, bool]] = {}
         self._strikes_given: dict[str, int] = {}  # each sender's strike count after its last check
@@ -208,11 +229,17 @@ class VerifierNode(Node):
         # Tensors reach the handler unchecked (no expect, NaN allowed) so the verification core sees every
         # malformed activation and strikes its sender; the handler checks the targets itself.
         await server.add_handler(
-            VERIFIER_RELAY, self._relay, PipelineRequest, authorize=self._admit, require_finite=False
+            VERIFIER_RELAY,
+            self._relay,
+            PipelineRequest,
+            admit=self._admit,
+            authorize=self._authorize,
+            require_finite=False,
+            max_bytes=expected_bytes([self.shapes.hidden_spec, self.shapes.tokens]),
         )
 
     def announcement(self) -> VerifierAnnouncement:
-        return self.announced(VerifierAnnouncement, boundaries=list(self.boundaries))
+        return self.announced(VerifierAnnouncement, boundaries=list(self.boundaries), certificate=self.certificate)
 
     def ready_line(self) -> str:
         mode = "verifying" if self.checker.enabled else "relaying without checks"
@@ -265,7 +292,8 @@ class VerifierNode(Node):
         stage = stage_of(self.views.view, caller)
         return stage if stage in self.boundaries else None
 
-    async def _admit(self, caller: str, metadata: PipelineRequest) -> None:
+    async def _admit(self, caller: str) -> None:
+        """Who may send this verifier activations (decided on the peer id alone, before reading the request)."""
         if self.checker.is_banned(caller):
             record = self.checker.ledger.senders[caller]
             raise HopBanned(f"this verifier banned {caller} after {record.strikes} strikes; it relays nothing for it")
@@ -275,7 +303,9 @@ class VerifierNode(Node):
             lambda view: self._boundary_of(caller) is not None,
             f"this verifier relays activations only from live replicas of stages {names}",
         )
-        if not metadata.route:
+
+    def _authorize(self, caller: str, metadata: PipelineRequest) -> None:
+        if not metadata.route or metadata.route[0].boundary is not None:
             raise HopRefused("the route must name the next stage's replica after this verifier")
 
     # --- the relay
@@ -312,8 +342,11 @@ class VerifierNode(Node):
             [verdict.tensor, targets],
             next_meta,
             self.transport,
-            nobody=f"every stage {boundary + 1} replica the route names is banned or excluded",
+            nobody=f"no stage {boundary + 1} replica the route names is live and neither banned nor excluded",
+            allowed=lambda peer: live_replica(self.views.view, peer, boundary + 1),
             skip=self.checker.is_banned,
+            max_reply_bytes=self.shapes.activation_bytes,
+            refresh=lambda: self.views.refresh(force=True),
         )
         self.stats.relayed += 1
         taint = sorted({*next_meta.taint, *reply.metadata.taint})
@@ -373,7 +406,10 @@ class VerifierNode(Node):
         if self._published.get(sender, (0, 0, False)) == state:
             return
         self._published[sender] = state
-        metrics = {name: float(value) for name, value in verdict.scores.items() if math.isfinite(value)}
+        # records hold finite numbers only (readers refuse others); a score that large says all there is to say
+        metrics = {
+            name: max(-1e12, min(1e12, float(value))) for name, value in verdict.scores.items() if math.isfinite(value)
+        }
         self.publisher.submit(
             StrikeRecord(
                 verifier=self.peer_id,
@@ -385,6 +421,7 @@ class VerifierNode(Node):
                 flags=record.flags,
                 metrics=metrics,
                 banned=record.banned,
+                certificate=self.certificate,
                 config_hash=self.config.swarm_hash(),
                 version=software_version(),
                 time=get_dht_time(),

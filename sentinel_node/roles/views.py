@@ -73,12 +73,19 @@ class ViewKeeper:
 
 
 def live_trainer(view: SwarmView, peer: str) -> bool:
+    """Whether ``peer`` is a live trainer: the view holds only trainers the swarm's trust roots admit."""
     announcement = view.trainers.get(peer)
     return announcement is not None and view.is_live(announcement)
 
 
 def live_verifier(view: SwarmView, peer: str, boundary: int) -> bool:
+    """Whether ``peer`` is a live verifier admitted for ``boundary`` (an announcement's boundaries are within its
+    certificate's, or its peer id is listed: the store checked that)."""
     return any(v.peer_id == peer for v in view.live_verifiers(boundary))
+
+
+def live_replica(view: SwarmView, peer: str, stage: int) -> bool:
+    return any(a.peer_id == peer for a in view.live_replicas(stage))
 
 
 def stage_of(view: SwarmView, peer: str) -> int | None:

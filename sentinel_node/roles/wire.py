@@ -11,6 +11,10 @@ from pydantic import Field
 from sentinel_node.config import Config
 from sentinel_node.transport import MicrobatchMetadata, RequestMetadata, TensorSpec, TransportSettings, WireModel
 
+# A global step more than this far ahead of a replica's own (and of the swarm's, as its live replicas announce it)
+# is refused and logged as an attack: one call with step 2**62 once froze every replica for good.
+MAX_STEP_AHEAD = 16
+
 # Handler names on every node's libp2p daemon (the transport adds a ".stream" twin for each).
 STAGE_FORWARD = "sentinel.stage.forward"
 STAGE_STEP = "sentinel.stage.step"
@@ -61,6 +65,11 @@ class Shapes:
     @property
     def hidden_spec(self) -> TensorSpec:
         return TensorSpec(self.activation, torch.float32)
+
+    @property
+    def activation_bytes(self) -> int:
+        """The most a reply carrying one activation or gradient takes (float32)."""
+        return self.batch * self.seq_len * self.hidden * 4
 
     @property
     def tokens_per_microbatch(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from contextlib import aclosing
+from contextlib import closing, suppress
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -19,7 +19,6 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
 from hivemind.proto.runtime_pb2 import Tensor as WireTensor
-from hivemind.utils.asyncio import as_aiter
 from hivemind.utils.logging import get_logger
 
 from sentinel_node.transport.codec import TensorSpec, check_tensors, deserialize_tensors, serialize_tensors
@@ -42,6 +41,7 @@ from sentinel_node.transport.framing import (
     unary_message,
 )
 from sentinel_node.transport.messages import (
+    MAX_METADATA_BYTES,
     Envelope,
     MicrobatchReply,
     RequestMetadata,
@@ -50,6 +50,7 @@ from sentinel_node.transport.messages import (
     unpack_envelope,
 )
 from sentinel_node.transport.settings import TransportSettings
+from sentinel_node.transport.streams import parse_response, read_message, send_messages
 
 logger = get_logger(__name__)
 
@@ -82,6 +83,7 @@ class _Call:
     expect: Sequence[TensorSpec] | None
     require_finite: bool
     stream: bool
+    max_reply_bytes: int | None = None
 
 
 async def call_peer(
@@ -96,11 +98,15 @@ async def call_peer(
     expect: Sequence[TensorSpec] | None = None,
     require_finite: bool = False,
     stream: bool | None = None,
+    max_reply_bytes: int | None = None,
 ) -> Reply[R]:
     """Calls ``handler`` on ``peer`` and waits until ``metadata.deadline`` at most (clamped to the request being
     served, if any). Requests over ``settings.stream_threshold_bytes`` are streamed; pass ``stream=True`` when the
-    reply may exceed the unary cap although the request does not. Raises a HopError subclass on any failure."""
-    call = await _encode(handler, tensors, metadata, settings, reply_model, expect, require_finite, stream)
+    reply may exceed the unary cap although the request does not. ``max_reply_bytes`` bounds the tensors a reply
+    may declare (default: the transport's limits). Raises a HopError subclass on any failure."""
+    call = await _encode(
+        handler, tensors, metadata, settings, reply_model, expect, require_finite, stream, max_reply_bytes
+    )
     return await _attempt(p2p, str(peer), call)
 
 
@@ -117,6 +123,7 @@ async def call_first_available(
     require_finite: bool = False,
     stream: bool | None = None,
     max_attempts: int = 2,
+    max_reply_bytes: int | None = None,
 ) -> Reply[R]:
     """Like :func:`call_peer` on ``candidates[0]``; if that fails before answering (unreachable, dead, overloaded),
     tries the next candidate, up to ``max_attempts`` peers while time is left. The reply's ``failures`` (or the
@@ -124,7 +131,9 @@ async def call_first_available(
     A refusal, a malformed exchange or a downstream failure is raised at once: another candidate would not help."""
     if not candidates:
         raise ValueError("call_first_available needs at least one candidate")
-    call = await _encode(handler, tensors, metadata, settings, reply_model, expect, require_finite, stream)
+    call = await _encode(
+        handler, tensors, metadata, settings, reply_model, expect, require_finite, stream, max_reply_bytes
+    )
     failures: list[HopError] = []
     for peer in list(dict.fromkeys(map(str, candidates)))[:max_attempts]:
         if failures and time_left(call.metadata.deadline) <= settings.hop_margin_s:
@@ -153,6 +162,7 @@ async def _encode(
     expect: Sequence[TensorSpec] | None,
     require_finite: bool,
     stream: bool | None,
+    max_reply_bytes: int | None = None,
 ) -> _Call:
     deadline = clamp_deadline(metadata.deadline)
     if deadline < metadata.deadline:
@@ -160,7 +170,7 @@ async def _encode(
     protos = await asyncio.to_thread(serialize_tensors, tensors, settings.compression_type, settings.limits)
     if stream is None:
         stream = payload_bytes(protos) > settings.stream_threshold_bytes
-    return _Call(handler, protos, metadata, settings, reply_model, expect, require_finite, stream)
+    return _Call(handler, protos, metadata, settings, reply_model, expect, require_finite, stream, max_reply_bytes)
 
 
 async def _attempt(p2p: P2P, peer: str, call: _Call) -> Reply:
@@ -204,7 +214,7 @@ async def _exchange(p2p: P2P, peer_id: PeerID, call: _Call) -> tuple[list[torch.
         request = unary_message(ExpertRequest, call.metadata, call.protos)
         response = await p2p.call_protobuf_handler(peer_id, call.handler, request, ExpertResponse)
         envelope = _open(response.metadata, str(peer_id))
-        assembler = PartAssembler(envelope.parts, limits)
+        assembler = PartAssembler(envelope.parts, limits, call.max_reply_bytes)
         for proto in response.tensors:
             assembler.add(proto)
         protos = assembler.finish()
@@ -214,26 +224,34 @@ async def _exchange(p2p: P2P, peer_id: PeerID, call: _Call) -> tuple[list[torch.
 
 
 async def _exchange_stream(p2p: P2P, peer_id: PeerID, call: _Call) -> tuple[Envelope, list[WireTensor]]:
+    """Writes the request while reading the reply, one bounded message at a time (``streams.py``): a callee
+    cannot make us buffer more than one chunk per message, nor more tensor bytes than ``max_reply_bytes``."""
     requests = stream_messages(ExpertRequest, call.metadata, call.protos, call.settings.chunk_bytes)
-    responses = await p2p.iterate_protobuf_handler(
-        peer_id, call.handler + STREAM_SUFFIX, as_aiter(*requests), ExpertResponse
-    )
-    async with aclosing(responses):
-        head = await anext(responses, None)
-        if head is None:
-            raise TruncatedStreamError("the reply stream ended before its first message")
-        envelope = _open(head.metadata, str(peer_id))
-        assembler = PartAssembler(envelope.parts, call.settings.limits)
-        for proto in head.tensors:
-            assembler.add(proto)
-        # Stop as soon as all announced parts are in: reading on to the end would only wait for the close.
-        while not assembler.complete:
-            message = await anext(responses, None)
-            if message is None:
-                break
-            for proto in message.tensors:
+    max_message = call.settings.chunk_bytes + MAX_METADATA_BYTES + 16 * 1024
+    _, reader, writer = await p2p.call_binary_stream_handler(peer_id, call.handler + STREAM_SUFFIX)
+    with closing(writer):
+        writing = asyncio.create_task(send_messages(writer, requests, end=True))
+        try:
+            data = await read_message(reader, max_message)
+            if data is None:
+                raise TruncatedStreamError("the reply stream ended before its first message")
+            head = parse_response(data)
+            envelope = _open(head.metadata, str(peer_id))
+            assembler = PartAssembler(envelope.parts, call.settings.limits, call.max_reply_bytes)
+            for proto in head.tensors:
                 assembler.add(proto)
-        return envelope, assembler.finish()
+            # Stop as soon as all announced parts are in: reading on to the end would only wait for the close.
+            while not assembler.complete:
+                data = await read_message(reader, max_message)
+                if data is None:
+                    break
+                for proto in parse_response(data).tensors:
+                    assembler.add(proto)
+            return envelope, assembler.finish()
+        finally:
+            writing.cancel()
+            with suppress(asyncio.CancelledError, Exception):
+                await writing
 
 
 def _open(data: bytes, peer: str) -> Envelope:

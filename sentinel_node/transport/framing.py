@@ -54,10 +54,13 @@ def max_parts(limits: TensorLimits) -> int:
 class PartAssembler:
     """Rebuilds whole wire tensors from parts, checking each tensor's header as soon as its first part arrives."""
 
-    def __init__(self, expected_parts: int, limits: TensorLimits) -> None:
+    def __init__(self, expected_parts: int, limits: TensorLimits, max_bytes: int | None = None) -> None:
+        """``max_bytes``: what all the message's tensors together may declare (None: what ``limits`` allow)."""
         if expected_parts > max_parts(limits):
             raise MalformedMessageError(f"{expected_parts} parts announced, over the limit of {max_parts(limits)}")
         self.expected_parts = expected_parts
+        self.max_bytes = max_bytes
+        self.declared = 0
         self.received_parts = 0
         self.tensors: list[WireTensor] = []
         self._limits = limits
@@ -91,6 +94,12 @@ class PartAssembler:
         if index >= self._limits.max_tensors:
             raise MalformedTensorError(f"more than {self._limits.max_tensors} tensors in one message")
         self._budget = check_header(index, part, self._limits)
+        self.declared += self._budget
+        if self.max_bytes is not None and self.declared > self.max_bytes:
+            raise MalformedTensorError(
+                f"tensor {index}: the message's tensors declare {self.declared} bytes, over the {self.max_bytes} "
+                "bytes this handler takes"
+            )
         # split_for_streaming marks an empty tensor as 0 chunks but still sends one part.
         chunks = max(part.chunks, 1)
         if chunks > self._budget // MIN_CHUNK_BYTES + 1:

@@ -3,20 +3,29 @@
 A role registers a function per handler name; the server answers both the unary and the streamed form of the
 call and never lets an exception escape as a bare string: every failure goes back as a coded error (see
 ``errors.py``) in the reply's envelope. The server knows nothing of stages or verifiers.
+
+Admission before memory: a streamed call is read by this module, one bounded message at a time (``streams.py``),
+not by hivemind's stream handler (which reads every message whole and ahead of the handler). ``admit(caller)``
+runs on the caller's authenticated peer id before a byte of the stream is read; the first message must fit one
+chunk and its envelope; its metadata goes through ``authorize``; and the tensors it announces must fit
+``max_bytes`` (the handler's expected tensors) before any more is read. A refused caller gets its answer and at
+most a short, bounded drain, never a buffer of what it sends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import closing, contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import torch
 from hivemind.p2p import P2P, P2PContext
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
 from hivemind.proto.runtime_pb2 import Tensor as WireTensor
 from hivemind.utils.logging import get_logger
@@ -41,8 +50,16 @@ from sentinel_node.transport.framing import (
     stream_messages,
     unary_message,
 )
-from sentinel_node.transport.messages import Envelope, RequestMetadata, WireModel, parse_metadata, unpack_envelope
+from sentinel_node.transport.messages import (
+    MAX_METADATA_BYTES,
+    Envelope,
+    RequestMetadata,
+    WireModel,
+    parse_metadata,
+    unpack_envelope,
+)
 from sentinel_node.transport.settings import UNARY_MAX_BYTES, TransportSettings
+from sentinel_node.transport.streams import discard, parse_request, read_message, send_messages
 
 logger = get_logger(__name__)
 
@@ -73,8 +90,12 @@ class Answer:
 
 
 Handler = Callable[[Incoming[Any]], Awaitable[Answer] | Answer]
+Admitter = Callable[[str], Awaitable[None] | None]
 Authorizer = Callable[[str, Any], Awaitable[None] | None]
 Expectation = Sequence[TensorSpec] | Callable[[Any], Sequence[TensorSpec] | None] | None
+# Honest senders cut tensors into chunks of at most ``chunk_bytes``; a message also holds protobuf framing and, the
+# first one, the envelope.
+_FRAMING_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -82,9 +103,23 @@ class _Route:
     name: str
     handler: Handler
     request_model: type[RequestMetadata]
+    admit: Admitter | None
     authorize: Authorizer | None
     expect: Expectation
     require_finite: bool
+    max_bytes: int | None
+
+
+def expected_bytes(specs: Sequence[TensorSpec]) -> int | None:
+    """What ``specs`` take on the wire at most (a bfloat16 tensor may travel as float32), or None when a dimension
+    is open."""
+    total = 0
+    for spec in specs:
+        if any(d is None for d in spec.shape):
+            return None
+        numel = math.prod(spec.shape)
+        total += numel * max(torch.empty(0, dtype=spec.dtype).element_size(), 4)
+    return total
 
 
 class TensorServer:
@@ -109,46 +144,51 @@ class TensorServer:
         handler: Handler,
         request_model: type[RequestMetadata] = RequestMetadata,
         *,
+        admit: Admitter | None = None,
         authorize: Authorizer | None = None,
         expect: Expectation = None,
         require_finite: bool = True,
+        max_bytes: int | None = None,
     ) -> None:
-        """Serves ``name`` (unary) and ``name + STREAM_SUFFIX`` (streamed). ``authorize(caller, metadata)`` runs
-        before any tensor is decoded and raises to refuse; ``expect`` (specs, or a function of the metadata giving
-        them) and ``require_finite`` check the decoded tensors."""
-        route = _Route(name, handler, request_model, authorize, expect, require_finite)
+        """Serves ``name`` (unary) and ``name + STREAM_SUFFIX`` (streamed). ``admit(caller)`` runs on the caller's
+        peer id before anything of the request is read and raises to refuse; ``authorize(caller, metadata)`` runs
+        before any tensor is decoded and raises to refuse; ``max_bytes`` bounds what the request's tensors may
+        declare (default: what ``expect`` takes when its shapes are fixed, else the transport's limits);
+        ``expect`` (specs, or a function of the metadata giving them) and ``require_finite`` check the decoded
+        tensors."""
+        if max_bytes is None and expect is not None and not callable(expect):
+            max_bytes = expected_bytes(expect)
+        route = _Route(name, handler, request_model, admit, authorize, expect, require_finite, max_bytes)
         self._routes[name] = route
 
         async def serve_unary(request: ExpertRequest, context: P2PContext) -> ExpertResponse:
             return await self._serve_unary(route, request, context)
 
-        async def serve_stream(
-            requests: AsyncIterator[ExpertRequest], context: P2PContext
-        ) -> AsyncIterator[ExpertResponse]:
-            for message in await self._serve_stream(route, requests, context):
-                yield message
-            # Returning closes our end at once, and the daemon may drop what it has not yet delivered: wait for the
-            # caller to close first (hivemind cancels this generator when it does).
-            await asyncio.sleep(self.settings.drain_timeout_s)
+        async def serve_stream(stream_info: StreamInfo, reader: asyncio.StreamReader, writer) -> None:
+            await self._serve_stream(route, stream_info, reader, writer)
 
         await self.p2p.add_protobuf_handler(name, serve_unary, ExpertRequest)
-        await self.p2p.add_protobuf_handler(
-            name + STREAM_SUFFIX, serve_stream, ExpertRequest, stream_input=True, stream_output=True
-        )
+        await self.p2p.add_binary_stream_handler(name + STREAM_SUFFIX, serve_stream)
 
     async def remove_handlers(self) -> None:
         for name in list(self._routes):
             await self.p2p.remove_protobuf_handler(name)
-            await self.p2p.remove_protobuf_handler(name + STREAM_SUFFIX, stream_input=True, stream_output=True)
+            await self.p2p.remove_binary_stream_handler(name + STREAM_SUFFIX)
             del self._routes[name]
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The longest message a stream may send us: one chunk of a tensor, its framing and (first) the envelope."""
+        return self.settings.chunk_bytes + MAX_METADATA_BYTES + _FRAMING_BYTES
 
     async def _serve_unary(self, route: _Route, request: ExpertRequest, context: P2PContext) -> ExpertResponse:
         caller = context.remote_id.to_base58()
         try:
+            await self._admit_caller(route, caller)
             envelope = unpack_envelope(request.metadata)
             metadata, deadline = await self._admit(route, envelope, caller)
             with self._slot():
-                assembler = PartAssembler(envelope.parts, self.settings.limits)
+                assembler = PartAssembler(envelope.parts, self.settings.limits, route.max_bytes)
                 for proto in request.tensors:
                     assembler.add(proto)
                 answer, protos = await self._run(route, assembler.finish(), metadata, caller, deadline)
@@ -162,33 +202,66 @@ class TensorServer:
             return error_message(ExpertResponse, self._report(route, caller, e))
 
     async def _serve_stream(
-        self, route: _Route, requests: AsyncIterator[ExpertRequest], context: P2PContext
-    ) -> list[ExpertResponse]:
-        caller = context.remote_id.to_base58()
+        self, route: _Route, stream_info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        caller = stream_info.peer_id.to_base58()
+        with closing(writer):
+            try:
+                messages = await self._answer_stream(route, reader, caller)
+                refused = False
+            except _CallerGone:
+                logger.debug(f"{route.name}: {caller} went away before the answer; its work was cancelled")
+                return
+            except Exception as e:
+                messages = [error_message(ExpertResponse, self._report(route, caller, e))]
+                refused = True
+            if messages is None:  # the caller opened a stream and sent nothing
+                return
+            try:
+                await send_messages(writer, messages)
+            except Exception:  # the caller went away; it will see why on its side
+                return
+            # Closing at once may reset the stream under the caller's writes and lose the answer: read what it
+            # still sends until it closes, within a bound (a refused caller gets a short one, never a buffer).
+            budget = self.max_message_bytes if refused else max_parts(self.settings.limits) * self.max_message_bytes
+            await discard(reader, self.max_message_bytes, budget, self.settings.drain_timeout_s)
+
+    async def _answer_stream(
+        self, route: _Route, reader: asyncio.StreamReader, caller: str
+    ) -> list[ExpertResponse] | None:
+        await self._admit_caller(route, caller)  # before a byte of the stream is read
         try:
-            head = await asyncio.wait_for(anext(requests, None), self.settings.drain_timeout_s)
+            data = await asyncio.wait_for(read_message(reader, self.max_message_bytes), self.settings.drain_timeout_s)
         except asyncio.TimeoutError:
-            head = None
-        if head is None:  # the caller opened a stream and sent nothing
-            return []
-        received_all = False
-        try:
-            envelope = unpack_envelope(head.metadata)
-            metadata, deadline = await self._admit(route, envelope, caller)
-            with self._slot():
-                assembler = PartAssembler(envelope.parts, self.settings.limits)
-                for proto in head.tensors:
-                    assembler.add(proto)
-                await asyncio.wait_for(_receive(requests, assembler), time_left(deadline))
-                received_all = True
-                answer, protos = await self._run(route, assembler.finish(), metadata, caller, deadline)
-            return stream_messages(ExpertResponse, answer.metadata, protos, self.settings.chunk_bytes)
-        except Exception as e:
-            if not received_all:
-                # An answer sent before the request is read to its end can be lost (the stream is reset under
-                # the caller's writes), and the caller would take a refusal for a dead peer.
-                await self._drain(requests)
-            return [error_message(ExpertResponse, self._report(route, caller, e))]
+            data = None
+        if data is None:
+            return None
+        head = parse_request(data)
+        envelope = unpack_envelope(head.metadata)
+        metadata, deadline = await self._admit(route, envelope, caller)
+        with self._slot():
+            assembler = PartAssembler(envelope.parts, self.settings.limits, route.max_bytes)
+            for proto in head.tensors:
+                assembler.add(proto)
+            await asyncio.wait_for(self._receive(reader, assembler), time_left(deadline))
+            work = self._run(route, assembler.finish(), metadata, caller, deadline)
+            answer, protos = await _while_caller_waits(reader, work)
+        return stream_messages(ExpertResponse, answer.metadata, protos, self.settings.chunk_bytes)
+
+    async def _receive(self, reader: asyncio.StreamReader, assembler: PartAssembler) -> None:
+        """Reads messages until every announced part is in (then stops: the end-of-stream marker may follow)."""
+        while not assembler.complete:
+            data = await read_message(reader, self.max_message_bytes)
+            if data is None:
+                return  # short: finish() says how short
+            for proto in parse_request(data).tensors:
+                assembler.add(proto)
+
+    async def _admit_caller(self, route: _Route, caller: str) -> None:
+        if route.admit is not None:
+            verdict = route.admit(caller)
+            if inspect.isawaitable(verdict):
+                await verdict
 
     async def _admit(self, route: _Route, envelope: Envelope, caller: str) -> tuple[RequestMetadata, float]:
         if envelope.error is not None:
@@ -240,20 +313,6 @@ class TensorServer:
         protos = await asyncio.to_thread(serialize_tensors, answer.tensors, compression, limits)
         return answer, protos
 
-    async def _drain(self, requests: AsyncIterator[ExpertRequest]) -> None:
-        budget = max_parts(self.settings.limits)
-
-        async def discard() -> None:
-            seen = 0
-            async for message in requests:
-                seen += len(message.tensors) + 1
-                if seen > budget:
-                    return
-
-        # If the caller went away or keeps sending past any honest size, there is nothing more to do for it.
-        with suppress(Exception):
-            await asyncio.wait_for(discard(), self.settings.drain_timeout_s)
-
     def _report(self, route: _Route, caller: str, error: Exception) -> str:
         """The coded string for ``error``, logged at a level that matches whose fault it is."""
         if isinstance(error, MalformedMessageError):
@@ -273,10 +332,37 @@ class TensorServer:
         return text
 
 
-async def _receive(requests: AsyncIterator[ExpertRequest], assembler: PartAssembler) -> None:
-    async for message in requests:
-        for proto in message.tensors:
-            assembler.add(proto)
+class _CallerGone(Exception):
+    """The caller closed its end of the stream before the answer was ready."""
+
+
+async def _while_caller_waits(reader: asyncio.StreamReader, work: Awaitable[Any]) -> Any:
+    """``work``'s result, or _CallerGone once the caller closes its end meanwhile: it gave up, so the work is
+    cancelled (as hivemind's own stream handler cancels it), and a cancellation reaches every hop down the route
+    instead of each finishing, and accumulating gradients, for nobody."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.create_task(_until_closed(reader))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with suppress(asyncio.CancelledError, Exception):
+            await task
+        raise _CallerGone()
+    finally:
+        watch.cancel()
+        with suppress(asyncio.CancelledError, Exception):
+            await watch
+        if not task.done():
+            task.cancel()
+
+
+async def _until_closed(reader: asyncio.StreamReader) -> None:
+    """Returns once the peer has closed its end (what it still sends after its request is dropped)."""
+    with suppress(Exception):
+        while await reader.read(2**16):
+            pass
 
 
 def _decode(
