@@ -11,6 +11,8 @@ config with one warning per author, and give up at a deadline instead of waiting
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -18,14 +20,16 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
 import hivemind
+from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time, get_logger
 
 from dht.identity import Identity
-from dht.keys import SwarmKeys
+from dht.keys import CONFIG_KEY, SwarmKeys
 from dht.records import (
     BootstrapAnnouncement,
     StageAnnouncement,
     StrikeRecord,
+    SwarmConfigRecord,
     SwarmRecord,
     TrainerAnnouncement,
     VerifierAnnouncement,
@@ -38,7 +42,28 @@ R = TypeVar("R", bound=SwarmRecord)
 
 
 class DHTUnavailable(TimeoutError):
-    """The DHT did not answer within the deadline; the message names what was asked."""
+    """The DHT did not answer within the deadline; the message names what was asked. ``found`` holds the keys
+    that did answer, decoded as :meth:`RecordStore.fetch` would have returned them."""
+
+    def __init__(self, message: str, found: dict | None = None) -> None:
+        super().__init__(message)
+        self.found = found or {}
+
+
+async def _latest_values(_dht: hivemind.DHT, node, keys: tuple[str, ...], timeout: float) -> dict:
+    """Runs in the DHT's process: the latest value of each key that was found within ``timeout`` seconds, from
+    one traversal of the DHT for all of them (one request per DHT node carries every key); keys still searched
+    at the deadline are left out, keys found empty map to None."""
+    ids = {DHTID.generate(source=key): key for key in keys}
+    futures = await node.get_many_by_id(list(ids), sufficient_expiration_time=float("inf"), return_futures=True)
+    done, pending = await asyncio.wait(list(futures.values()), timeout=timeout) if futures else (set(), set())
+    for future in pending:
+        future.cancel()
+    return {
+        ids[key_id]: future.result()
+        for key_id, future in futures.items()
+        if future in done and not future.cancelled() and future.exception() is None
+    }
 
 
 class RecordStore:
@@ -89,24 +114,30 @@ class RecordStore:
         return acknowledged
 
     def fetch(self, keys: Sequence[str], timeout: float | None = None) -> dict[str, dict[str, SwarmRecord]]:
-        """For each key, its valid records by author, all read in parallel; DHTUnavailable past the deadline."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        """For each key, its valid records by author, read in one traversal of the DHT; DHTUnavailable (holding
+        the keys that did answer in ``found``) when some key found no answer before the deadline."""
+        timeout = self.timeout if timeout is None else timeout
+        keys = tuple(dict.fromkeys(keys))
+        if not keys:
+            return {}
+        # The search gives up a little before the caller does, so its partial answer still comes back in time.
+        search_s = max(0.05, 0.9 * timeout - 0.05)
+        coroutine = functools.partial(_latest_values, keys=keys, timeout=search_s)
         with self._send_lock:
-            futures = {key: self.dht.get(key, latest=True, return_future=True) for key in keys}
-        results: dict[str, dict[str, SwarmRecord]] = {}
+            future = self.dht.run_coroutine(coroutine, return_future=True)
         try:
-            for key, future in futures.items():
-                found = future.result(timeout=max(0.0, deadline - time.monotonic()))
-                results[key] = self._decode(key, found)
+            values = future.result(timeout=max(0.1, timeout))
         except FutureTimeout:
-            missing = [key for key in keys if key not in results]
+            future.cancel()
+            values = {}
+        results = {key: self._decode(key, values[key]) for key in keys if key in values}
+        missing = [key for key in keys if key not in results]
+        if missing:
             raise DHTUnavailable(
-                f"the DHT gave no answer within {self.timeout if timeout is None else timeout:.1f}s "
-                f"for {len(missing)} of {len(keys)} keys (first: {missing[0]!r})"
-            ) from None
-        finally:
-            for future in futures.values():
-                future.cancel()
+                f"the DHT gave no answer within {timeout:.1f}s for {len(missing)} of {len(keys)} keys "
+                f"(first: {missing[0]!r})",
+                found=results,
+            )
         return results
 
     def get(self, key: str, record_type: type[R]) -> dict[str, R]:
@@ -131,6 +162,12 @@ class RecordStore:
         """The strike records about ``accused``, by verifier."""
         return self.get(self.keys.strikes(accused), StrikeRecord)
 
+    def swarm_configs(self, timeout: float | None = None) -> dict[str, SwarmConfigRecord]:
+        """Every well-formed swarm config record, by publisher, whatever config this store was opened with (a
+        node reads them to learn which config to run)."""
+        found = self.fetch([CONFIG_KEY], timeout)[CONFIG_KEY]
+        return _only(found, SwarmConfigRecord)
+
     def _decode(self, key: str, found: object) -> dict[str, SwarmRecord]:
         if found is None or not isinstance(found.value, dict):
             return {}
@@ -142,7 +179,7 @@ class RecordStore:
             except RecordError as e:
                 logger.debug(f"dropped a record under {key!r}: {e}")
                 continue
-            if record.config_hash != self.config_hash:
+            if record.config_hash != self.config_hash and key != CONFIG_KEY:
                 self._warn_foreign_config(record)
                 continue
             records[record.author] = record

@@ -14,7 +14,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time, get_logger
 
 from dht.identity import Identity, IdentityError, peer_id_from_public_key, public_key_from_owner_tag
-from dht.keys import MAX_STAGES, SwarmKeys
+from dht.keys import CONFIG_KEY, MAX_STAGES, SwarmKeys
 from dht.records import MAX_TTL, RECORD_TYPES, SwarmRecord, parse_record
 
 logger = get_logger(__name__)
@@ -63,6 +63,7 @@ class SwarmRecordValidator(RecordValidatorBase):
         self._keys = SwarmKeys(prefix)
         fixed = [self._keys.stage(k) for k in range(MAX_STAGES)]
         fixed += [self._keys.verifiers, self._keys.trainers, self._keys.bootstraps]
+        fixed.append(CONFIG_KEY)  # the one key shared by every swarm (dht.keys)
         self._fixed_key_ids = frozenset(key_id(key) for key in fixed)
 
     def validate(self, record: DHTRecord) -> bool:
@@ -105,6 +106,12 @@ def _claims_swarm_record(subkey: object, value: object) -> bool:
     )
 
 
-def swarm_validators(prefix: str, identity: Identity) -> list[RecordValidatorBase]:
-    """The validators to pass to ``hivemind.DHT(record_validators=...)`` on every node of the swarm."""
+def swarm_validators(prefix: str | None, identity: Identity) -> list[RecordValidatorBase]:
+    """The validators to pass to ``hivemind.DHT(record_validators=...)`` on every node of the swarm.
+
+    ``prefix=None`` is for a client-mode reader that does not know the swarm yet (it is about to read the swarm's
+    config): signatures only. It stores nothing for others, and every record it reads is checked again by
+    :class:`~dht.RecordStore`."""
+    if prefix is None:
+        return [RSASignatureValidator(identity.private_key)]
     return [RSASignatureValidator(identity.private_key), SwarmRecordValidator(prefix)]

@@ -18,7 +18,7 @@ from dht.records import (
     TrainerAnnouncement,
     VerifierAnnouncement,
 )
-from dht.store import RecordStore
+from dht.store import DHTUnavailable, RecordStore
 from peers.ledger import StrikeLedger
 from peers.policy import Exclusion, ExclusionPolicy
 
@@ -129,7 +129,15 @@ class SwarmWatcher:
             suspects.update(replicas)
         suspects.update(verifiers, trainers, also_ask_about)
         strike_keys = {peer: keys.strikes(peer) for peer in sorted(suspects)}
-        strikes = self.store.fetch(list(strike_keys.values()), timeout=max(0.0, deadline - time.monotonic()))
+        try:
+            strikes = self.store.fetch(list(strike_keys.values()), timeout=max(0.5, deadline - time.monotonic()))
+        except DHTUnavailable as e:
+            # a partial answer beats none: peers whose strike records did not come in time keep the last ones seen
+            previous = self.view.ledger
+            strikes = dict(e.found)
+            for peer, key in strike_keys.items():
+                if key not in strikes:
+                    strikes[key] = {record.verifier: record for record in previous.about(peer)}
         ledger = StrikeLedger.from_records(
             record for key in strike_keys.values() for record in _of_type(strikes[key], StrikeRecord).values()
         )
