@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
