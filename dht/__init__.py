@@ -9,12 +9,13 @@ from dht.identity import (
     load_identity_file,
     peer_id_from_public_key,
 )
-from dht.keys import MAX_STAGES, SwarmKeys
+from dht.keys import CONFIG_KEY, MAX_STAGES, SwarmKeys
 from dht.records import (
     Announcement,
     BootstrapAnnouncement,
     StageAnnouncement,
     StrikeRecord,
+    SwarmConfigRecord,
     SwarmRecord,
     TrainerAnnouncement,
     VerifierAnnouncement,
@@ -24,6 +25,7 @@ from dht.store import DHTUnavailable, RecordStore
 from dht.validation import RecordError, SwarmRecordValidator, check_record, swarm_validators
 
 __all__ = [
+    "CONFIG_KEY",
     "MAX_STAGES",
     "Announcement",
     "Announcer",
@@ -36,6 +38,7 @@ __all__ = [
     "StageAnnouncement",
     "StrikeRecord",
     "SwarmKeys",
+    "SwarmConfigRecord",
     "SwarmRecord",
     "SwarmRecordValidator",
     "TrainerAnnouncement",

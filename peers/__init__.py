@@ -1,5 +1,6 @@
 """The peer society: who is who, routing choice, strikes and exclusion."""
 
+from peers.health import Health, Verdict
 from peers.ledger import StrikeLedger
 from peers.liveness import BackoffParams, LivenessBlacklist
 from peers.policy import Exclusion, ExclusionParams, ExclusionPolicy, verifier_peer_id
@@ -15,7 +16,7 @@ from peers.routing import (
     pick_replica,
     pick_verifier,
 )
-from peers.view import Health, SwarmView, SwarmWatcher
+from peers.view import SwarmView, SwarmWatcher
 
 __all__ = [
     "MAX_ALTERNATES",
@@ -31,6 +32,7 @@ __all__ = [
     "StrikeLedger",
     "SwarmView",
     "SwarmWatcher",
+    "Verdict",
     "choose_route",
     "expand",
     "order_candidates",

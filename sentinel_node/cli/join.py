@@ -16,6 +16,19 @@ ROLE_RUNNERS = {
 }
 
 
+def _swarm_config(peers: tuple[str, ...]):
+    """The config the swarm at ``peers`` publishes (a node given --initial-peers and no --config runs it)."""
+    from hivemind.utils import get_logger
+
+    from sentinel_node.swarm_reader import fetch_swarm_config
+
+    config = fetch_swarm_config(peers, timeout=60.0)
+    get_logger("sentinel_node.join").info(
+        f"running the config the swarm publishes: {config.swarm.prefix} ({config.swarm_hash()})"
+    )
+    return config
+
+
 def _print_ready(peer_id: str, maddrs: list[str]) -> None:
     click.echo(f"node {peer_id} is up; other nodes join with:")
     for maddr in maddrs:
@@ -199,6 +212,14 @@ def _role_settings(role: str, opts: dict) -> dict:
     envvar="SENTINEL_METRICS_PORT",
     help="Serve Prometheus metrics on this port (0: any free port; default: off).",
 )
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    envvar="SENTINEL_METRICS_HOST",
+    help="Address the metrics server listens on (0.0.0.0: every interface, e.g. for a Prometheus elsewhere).",
+)
+@click.option("--name", help="What to call this node in tables and on the status page (letters, digits, ' .-_@:+').")
 @_pipeline_options
 def join(
     role: str,
@@ -210,29 +231,47 @@ def join(
     use_relay: bool,
     use_auto_relay: bool,
     metrics_port: int | None,
+    metrics_host: str,
+    name: str | None,
     **role_options,
 ) -> None:
-    """Run a node of the swarm in ROLE until SIGTERM or Ctrl-C (a trainer with --steps ends after them)."""
+    """Run a node of the swarm in ROLE until SIGTERM or Ctrl-C (a trainer with --steps ends after them).
+
+    With --initial-peers and no --config, the node runs the config the swarm publishes; with both, the two must
+    be the same config."""
     import importlib
+    import re
 
     from dht import IdentityError
     from sentinel_node.attacks import AttackError
     from sentinel_node.roles.common import JoinOptions, NodeError
 
-    options = JoinOptions(
-        config=load(config_path),
-        identity_path=identity_path,
-        initial_peers=maddrs(initial_peers, "--initial-peers"),
-        host_maddrs=maddrs(host_maddrs, "--host-maddrs"),
-        announce_maddrs=maddrs(announce_maddrs, "--announce-maddrs"),
-        metrics_port=metrics_port,
-        use_relay=use_relay,
-        use_auto_relay=use_auto_relay,
-    )
-    extra = _role_settings(role, role_options)
+    if name is not None and not re.fullmatch(r"[A-Za-z0-9_.@:+ -]{1,64}", name):
+        raise click.BadParameter("1 to 64 letters, digits, spaces or . - _ @ : +", param_hint="--name")
+    peers = maddrs(initial_peers, "--initial-peers")
     from hivemind.utils.logging import use_hivemind_log_handler
 
     use_hivemind_log_handler("in_root_logger")  # the node's own INFO lines (steps, flags, bans) go to stderr too
+    from_swarm = config_path is None and bool(peers)
+    try:
+        config = _swarm_config(peers) if from_swarm else load(config_path)
+    except NodeError as e:
+        raise click.ClickException(str(e)) from None
+    options = JoinOptions(
+        config=config,
+        identity_path=identity_path,
+        initial_peers=peers,
+        host_maddrs=maddrs(host_maddrs, "--host-maddrs"),
+        announce_maddrs=maddrs(announce_maddrs, "--announce-maddrs"),
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
+        use_relay=use_relay,
+        use_auto_relay=use_auto_relay,
+        name=name,
+        config_name="the swarm's own config" if from_swarm else (config_path or "the default config"),
+        config_from_swarm=from_swarm,
+    )
+    extra = _role_settings(role, role_options)
     module, function = ROLE_RUNNERS[role]
     runner = getattr(importlib.import_module(module), function)
     try:
