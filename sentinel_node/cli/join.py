@@ -38,7 +38,12 @@ def _print_ready(peer_id: str, maddrs: list[str]) -> None:
 def _pipeline_options(command):
     """Options of the stage, verifier and trainer roles (ignored by the others)."""
     options = [
-        click.option("--stage", type=click.IntRange(min=0), help="stage: which stage of the model to hold (0-based)."),
+        click.option(
+            "--stage",
+            type=click.IntRange(min=0),
+            help="stage: hold this stage of the model (0-based); default: the stage the swarm needs most, "
+            "changed when the swarm needs another more.",
+        ),
         click.option(
             "--device",
             default="auto",
@@ -124,8 +129,6 @@ def _role_settings(role: str, opts: dict) -> dict:
     if role == "stage":
         from sentinel_node.roles.stage import AttackOptions, StageOptions
 
-        if opts["stage"] is None:
-            raise click.UsageError("--role stage needs --stage K: which stage of the model this node holds")
         attack = None
         if opts["attack"] or opts["attack_file"]:
             attack = AttackOptions(

@@ -280,6 +280,7 @@ class Node:
             if self.serves:
                 self.server = TensorServer(self.p2p, self.transport)
                 await self.add_handlers(self.server)
+                await serve_reachability(self.server)
                 self.reachability = self.reachability or await self._check_reachability()
             if self.announcer is None:
                 self.announcer = self._announcer()
@@ -337,9 +338,7 @@ class Node:
         return []
 
     async def _check_reachability(self) -> Reachability:
-        """Answers other nodes' reachability checks from now on, and checks this node's own with its initial
-        peers."""
-        await serve_reachability(self.server)
+        """Checks this node's reachability with its initial peers."""
         peers = peer_ids_of(self.context.options.initial_peers)
         result = await check_reachability(self.p2p, self.context.maddrs, peers, self.server.settings)
         report(result, self.context.options.use_auto_relay)

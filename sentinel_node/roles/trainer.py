@@ -213,6 +213,7 @@ class TrainerNode(Node):
         self._started = time.monotonic()
         self._last_log: StepLog | None = None
         self._summary: TrainerSummary | None = None
+        self._no_route_said = 0.0
 
     # --- lifecycle hooks
 
@@ -324,7 +325,12 @@ class TrainerNode(Node):
         every = self.settings.eval_every
         if (every and self.step % every == 0) or self.step == self.first_step + self.settings.steps:
             val_loss = await self._validate(self.step)
-        self.announcer.update(global_step=self.step, loss=loss, throughput=tokens / elapsed)
+        self.announcer.update(
+            global_step=self.step,
+            loss=loss,
+            val_loss=self.val_curve[-1][1] if self.val_curve else None,
+            throughput=tokens / elapsed,
+        )
         view = self.views.view
         log = StepLog(
             step=step,
@@ -367,7 +373,7 @@ class TrainerNode(Node):
                 for attempt in range(self.settings.max_attempts):
                     if attempt and train:
                         self.accounting.retried += 1
-                    routes = await self._routes(avoid, copies, mode.barred(self.views.view))
+                    routes = await self._routes_when_there_are(avoid, copies, mode)
                     if routes is None:
                         continue
                     calls = [
@@ -429,6 +435,16 @@ class TrainerNode(Node):
             await asyncio.sleep(self.config.swarm.announce_period)
             await self.views.refresh(force=True)
 
+    async def _routes_when_there_are(self, avoid: set[str], copies: int, mode) -> list[list[Hop]] | None:
+        """Routes for a microbatch, waiting (up to ``wait_for_swarm`` seconds) while some stage or boundary has
+        nobody to serve it: a stage whose last replica died is covered again by a replica that moves there, and
+        the microbatch should wait for it rather than use up its attempts and count as failed."""
+        deadline = time.monotonic() + self.settings.wait_for_swarm
+        while True:
+            routes = await self._routes(avoid, copies, mode.barred(self.views.view))
+            if routes is not None or time.monotonic() > deadline:
+                return routes
+
     async def _routes(self, avoid: set[str], copies: int, barred: set[str]) -> list[list[Hop]] | None:
         """``copies`` routes, never through ``barred`` verifiers; duplicates go through other replicas than the first
         copy where the swarm has them."""
@@ -454,7 +470,9 @@ class TrainerNode(Node):
                 # better a peer that failed this microbatch once than none at all
                 route = choose_route(view, self.route_rng, None, barred)
         except NoRouteError as e:
-            logger.warning(f"no route through the swarm: {e}; waiting for peers")
+            if time.monotonic() - self._no_route_said > 10.0:  # once per stretch, not once per microbatch
+                self._no_route_said = time.monotonic()
+                logger.warning(f"no route through the swarm: {e}; waiting for peers")
             await asyncio.sleep(1.0)
             await self.views.refresh(force=True)
             return None
