@@ -127,7 +127,8 @@ class RecordStore:
         try:
             values = future.result(timeout=max(0.1, timeout))
         except FutureTimeout:
-            future.cancel()
+            # Not cancelled: the search ends on its own at its deadline, and setting the result of a cancelled
+            # future would make the DHT process log a traceback. Once dropped here, its answer is ignored.
             values = {}
         results = {key: self._decode(key, values[key]) for key in keys if key in values}
         missing = [key for key in keys if key not in results]

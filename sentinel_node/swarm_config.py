@@ -55,8 +55,10 @@ def config_of(record: SwarmConfigRecord) -> Config:
         raise SwarmConfigError(f"{origin} is not a valid config: {e}") from None
     if config.swarm_hash() != record.config_hash or config.swarm.prefix != record.prefix:
         raise SwarmConfigError(
-            f"{origin} claims hash {record.config_hash} (swarm {record.prefix}) but holds a config of hash "
-            f"{config.swarm_hash()} (swarm {config.swarm.prefix}): it was altered; ignoring it"
+            f"{origin} claims hash {record.config_hash} (swarm {record.prefix}) but reads here as hash "
+            f"{config.swarm_hash()} (swarm {config.swarm.prefix}): either it was altered, or its publisher runs "
+            f"another version of sentinel-node ({record.version}; this one is {software_version()}) whose configs "
+            "have other keys; ignoring it"
         )
     return config
 

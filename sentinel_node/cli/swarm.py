@@ -122,3 +122,42 @@ def strikes(initial_peers, config_path, timeout, watch, wide, as_json) -> None:
 def bans(initial_peers, config_path, timeout, watch, wide, as_json) -> None:
     """Excluded peers: why, on which boundary, since when, until when, and who voted."""
     _show_swarm("bans", initial_peers, config_path, timeout, watch, wide, as_json)
+
+
+@swarm.command()
+@initial_peers_option
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    help="The swarm's config YAML; default: the config the swarm publishes (checked against this one if given).",
+)
+@click.option("--port", type=click.IntRange(0, 65535), default=8400, show_default=True, help="Port (0: any free).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every one).")
+@click.option(
+    "--refresh", type=click.FloatRange(min=0.5), default=3.0, show_default=True, help="Seconds between reads."
+)
+@click.option(
+    "--timeout", type=click.FloatRange(min=0.5), default=15.0, show_default=True, help="Seconds a read may take."
+)
+def serve(initial_peers, config_path, port, host, refresh, timeout) -> None:
+    """A live status page of the swarm (stages, boundaries, training curve, strikes, exclusions), its JSON API
+    (/api/status, /api/peers, /api/strikes, /api/bans, /api/history) and swarm-wide Prometheus gauges (/metrics)."""
+    from sentinel_node.roles.common import NodeStartError
+    from sentinel_node.web.app import serve as run_server
+
+    peers = maddrs(initial_peers, "--initial-peers")
+    if not peers:
+        raise click.UsageError("pass --initial-peers: the multiaddrs a bootstrap node printed when it started")
+    try:
+        run_server(
+            list(peers),
+            _config(config_path),
+            host=host,
+            port=port,
+            refresh=refresh,
+            timeout=timeout,
+            on_ready=lambda url: click.echo(f"serving the swarm's status page at {url}", err=False),
+        )
+    except NodeStartError as e:
+        raise click.ClickException(str(e)) from None

@@ -31,7 +31,7 @@ class BootstrapNode(Node):
     def announcement(self) -> BootstrapAnnouncement:
         return self.announced(BootstrapAnnouncement)
 
-    def summary_details(self) -> list[str]:
+    def describe_details(self) -> list[str]:
         return [f"publishes the swarm's config {self.config.swarm_hash()}: a node can join with its address alone"]
 
     def ready_line(self) -> str:

@@ -291,7 +291,7 @@ class Node:
                 tasks.append(asyncio.create_task(self.views.run()))
             tasks += [asyncio.create_task(coroutine) for coroutine in self.background()]
             logger.info(self.ready_line())
-            for line in self.summary():
+            for line in self.describe():
                 logger.info(line)
             on_ready(context.peer_id, context.maddrs)
             try:
@@ -311,9 +311,9 @@ class Node:
             record = record.replace(**changes)
         return Announcer(self.context.store, record, swarm.announce_period, swarm.announce_ttl).start()
 
-    def summary(self) -> list[str]:
+    def describe(self) -> list[str]:
         """What the node tells its owner once it serves: what it is, where it can be reached, what it uses.
-        Roles add their own lines (:meth:`summary_details`)."""
+        Roles add their own lines (:meth:`describe_details`)."""
         reach = self.reachability
         if reach is None or reach.reachable is None:
             reachable = "not checked"
@@ -326,15 +326,15 @@ class Node:
         lines = [
             f"this node: {self.role}{name} {self.peer_id} in swarm {config.swarm.prefix} "
             f"(config {config.swarm_hash()}, {self.context.options.config_name})",
-            *self.summary_details(),
+            *self.describe_details(),
             f"memory in use: {_rss_mib():.0f} MiB resident",
             "announced addresses: " + (" ".join(self.context.maddrs) or "none"),
             f"reachability: {reachable}",
         ]
         return lines
 
-    def summary_details(self) -> list[str]:
-        """The role's own lines of :meth:`summary` (its stage, device, model, throughput...)."""
+    def describe_details(self) -> list[str]:
+        """The role's own lines of :meth:`describe` (its stage, device, model, throughput...)."""
         return []
 
     async def _check_reachability(self) -> Reachability:

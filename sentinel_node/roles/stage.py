@@ -53,7 +53,7 @@ from sentinel_node.attacks import Attacker, AttackError, arm, attack_maker
 from sentinel_node.config import Config
 from sentinel_node.model.stage import layer_range
 from sentinel_node.pipeline import StageWorker
-from sentinel_node.pipeline.device import DeviceError
+from sentinel_node.pipeline.device import DeviceError, resolve_device
 from sentinel_node.pipeline.throughput import measure
 from sentinel_node.roles.averaging import ReplicaAverager
 from sentinel_node.roles.calls import call_hop
@@ -160,6 +160,12 @@ def run_stage(
     if settings.stage is not None and not 0 <= settings.stage < n_stages:
         raise NodeError(f"--stage {settings.stage} is outside 0..{n_stages - 1} (the config has {n_stages} stages)")
     torch.set_num_threads(1)  # many nodes share a machine's cores; one thread each avoids oversubscription
+    try:
+        resolve_device(settings.device)  # a device this machine lacks fails before anything starts
+        if settings.attack is not None and settings.stage is not None:
+            settings.attack.build(config, settings.stage, config.swarm.seed)
+    except (DeviceError, AttackError) as e:
+        raise NodeError(str(e)) from None
     with started_node(options, stop_event) as context:
         choice = _choose(context) if settings.placed else StageChoice(settings.stage, "pinned by --stage")
         stage, why, reachability = choice.stage, choice.reason, None
@@ -337,7 +343,7 @@ class StageNode(Node):
         kind = "red-team replica" if self.attackers else "replica"
         return f"stage {self.stage} {kind} {self.peer_id} serving swarm {self.config.swarm.prefix}"
 
-    def summary_details(self) -> list[str]:
+    def describe_details(self) -> list[str]:
         model, worker = self.config.model, self.worker
         layers = layer_range(model.n_layers, self.stage, self.n_stages)
         params = sum(p.numel() for p in worker.module.parameters())

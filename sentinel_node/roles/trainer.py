@@ -223,6 +223,14 @@ class TrainerNode(Node):
     def ready_line(self) -> str:
         return f"trainer {self.peer_id} joined swarm {self.config.swarm.prefix}"
 
+    def describe_details(self) -> list[str]:
+        pipe, data = self.config.pipeline, self.config.data
+        steps = f"{self.settings.steps} global steps" if self.settings.steps else "global steps until stopped"
+        return [
+            f"trains {steps} of {pipe.microbatches_per_step} microbatches x {pipe.microbatch_size} x {pipe.seq_len} "
+            f"tokens on {data.path or 'the embedded corpus'}, validating every {self.settings.eval_every} steps"
+        ]
+
     async def main(self) -> TrainerSummary:
         """Trains until done, or until asked to stop (abandoning the microbatches in flight)."""
         training = asyncio.create_task(self._train())

@@ -248,7 +248,7 @@ class VerifierNode(Node):
             VerifierAnnouncement, boundaries=list(self.boundaries), throughput=float(self.capacity.samples_per_second)
         )
 
-    def summary_details(self) -> list[str]:
+    def describe_details(self) -> list[str]:
         mode = "checking" if self.checker.enabled else "relaying without checks"
         names = ", ".join(f"{b}|{b + 1}" for b in self.boundaries)
         return [
