@@ -10,19 +10,25 @@ starts are an honest swarm. After training, the tests call the nodes themselves 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+import os
+import shutil
 import time
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
 import torch
+from click.testing import CliRunner
 from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
 from hivemind.proto.runtime_pb2 import Tensor as WireTensor
 from hivemind.utils import get_dht_time
 from prometheus_client.parser import text_string_to_metric_families
+from status_page import browser_page, get_json, status_server
 
 from dht import Identity, StageAnnouncement, VerifierAnnouncement, create_identity_file, load_identity_file
+from sentinel_node.cli import main
 from sentinel_node.demo import Demo, DemoSettings
 from sentinel_node.roles.common import record_store, start_dht, stop_dht
 from sentinel_node.roles.metrics import METRICS
@@ -46,6 +52,7 @@ KILL_STAGE_AT = 6  # stage2-1, SIGKILL
 KILL_VERIFIER_AT = 22  # verifier1, SIGKILL (after both verifiers banned the attacker)
 SCRAPE_AT = (3, 16)  # Prometheus scrapes of live nodes while they train (and one more after training)
 SCRAPED = ("bootstrap", "stage1-0", "verifier0", "trainer")
+CHECK_AT = 2  # `swarm status --check` of the healthy swarm, before anything is killed
 
 pytestmark = pytest.mark.slow
 
@@ -59,11 +66,19 @@ def demo(tmp_path_factory) -> Iterator[Demo]:
         workdir=tmp_path_factory.mktemp("swarm"),
         eval_every=6,
     )
-    with Demo(settings) as running:
+    with Demo(settings) as running, contextlib.ExitStack() as page:
         running.start()
         running.scrapes = {}
+        # the status page follows the whole run, so it has seen the training curve and the ban
+        running.page_url = page.enter_context(status_server(running.swarm.initial_peers, "--refresh", "2"))
 
         def chaos(record: dict) -> None:
+            if record["step"] == CHECK_AT:  # every stage has two replicas, every boundary two verifiers
+                check = CliRunner().invoke(
+                    main,
+                    ["swarm", "status", "--check", "--timeout", "60", "--initial-peers", *running.swarm.initial_peers],
+                )
+                running.healthy_check = (check.exit_code, check.output[-2000:])
             if record["step"] in SCRAPE_AT:
                 running.scrapes[record["step"]] = {name: scrape(running.node(name)) for name in SCRAPED}
             if record["step"] == KILL_STAGE_AT:
@@ -343,6 +358,41 @@ def test_an_excluded_peer_is_refused_everywhere(demo):
         assert isinstance(error, HopBanned) and "is excluded from the swarm" in error.detail, error
     finally:
         peer.close()
+
+
+def test_status_check_of_a_healthy_swarm_exits_zero(demo):
+    code, output = demo.healthy_check
+    assert code == 0, output
+    assert "health: healthy" in output
+
+
+def test_status_page_shows_every_stage_and_the_banned_attacker(demo, tmp_path):
+    url, attacker = demo.page_url, demo.attacker
+    deadline = time.monotonic() + 60
+    while attacker not in get_json(url + "api/bans")["bans"] and time.monotonic() < deadline:
+        time.sleep(1)
+    bans = get_json(url + "api/bans")["bans"]
+    assert attacker in bans and "strikes on" in bans[attacker]["reason"], bans
+    history = get_json(url + "api/history")["points"]
+    assert len([p for p in history if p["loss"] is not None]) >= 5, history
+    metrics = urllib.request.urlopen(url + "metrics", timeout=10).read().decode()
+    assert "sentinel_swarm_excluded_peers 1.0" in metrics and 'sentinel_stage_live_replicas{stage="0"}' in metrics
+    with browser_page(tmp_path / "profile") as page:
+        page.goto(url)
+        page.wait_for_selector("body[data-loaded=yes]", timeout=60_000)
+        for k in range(demo.config.pipeline.n_stages):
+            assert page.locator(f'[data-stage="{k}"]').count() == 1, k
+        for b in range(demo.config.pipeline.n_stages - 1):
+            assert page.locator(f'[data-boundary="{b}"] li[data-peer]').count() >= 1, b
+        banned = page.locator(f'#bans tr[data-peer="{attacker}"]')
+        assert banned.count() == 1 and "strikes on" in banned.inner_text()
+        assert page.locator(f'#map li.excluded[data-peer="{attacker}"]').count() == 1
+        assert page.locator("#loss-chart polyline").count() >= 1  # the training curve was drawn
+        shot = tmp_path / "status-page.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 10_000
+        if os.environ.get("SENTINEL_SCREENSHOT"):  # how docs/status-page.png was made
+            shutil.copy(shot, os.environ["SENTINEL_SCREENSHOT"])
 
 
 def test_every_process_is_gone_after_stop(demo):
