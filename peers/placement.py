@@ -137,5 +137,34 @@ def plan_move(
     return best
 
 
+def plan_rebalance(
+    view: SwarmView,
+    peer_id: str,
+    balance_quality: float = BALANCE_QUALITY,
+    costs: Sequence[float] | None = None,
+) -> Move | None:
+    """The move ``peer_id`` (an online replica in ``view``) should make now, or None.
+
+    Replicas check at random moments but read much the same view, so two replicas of a doubled stage would both
+    move to the stage that lost its last replica (and leave theirs empty). So among the online replicas that
+    :func:`plan_move` would send to the same stage, only the one with the smallest peer id moves now; the others
+    look again later, when its ``joining`` announcement shows the stage covered."""
+    mine = next((a for replicas in view.stages.values() for a in replicas.values() if a.peer_id == peer_id), None)
+    if mine is None or mine.state != "online" or view.is_excluded(peer_id):
+        return None
+    loads = stage_loads(view)
+    move = plan_move(loads, mine.stage, mine.throughput, balance_quality, costs)
+    if move is None:
+        return None
+    for k in range(view.n_stages):
+        for other in view.live_replicas(k):
+            if other.peer_id >= peer_id:
+                continue
+            theirs = plan_move(loads, k, other.throughput, balance_quality, costs)
+            if theirs is not None and theirs.target == move.target:
+                return None  # that replica makes this move
+    return move
+
+
 def _rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s / 1000:.1f}k tok/s" if tokens_per_s >= 1000 else f"{tokens_per_s:.0f} tok/s"

@@ -133,3 +133,14 @@ def test_health_verdicts_per_stage_boundary_and_swarm():
     assert "one verifier left on boundary 0|1" in degraded.summary()
     assert Health.of([2, 3], [2]).verdict is Verdict.HEALTHY
     assert view_of(replica(IDS[0], 0, 1.0), n_stages=2).health().stages_without_replica == (1,)
+
+
+def test_of_two_replicas_that_would_make_the_same_move_only_one_moves():
+    from peers.placement import plan_rebalance
+
+    a, b = sorted(IDS[:2])
+    view = view_of(replica(a, 0, 100.0), replica(b, 0, 100.0), replica(IDS[2], 1, 100.0))  # stage 2: nobody
+    assert plan_rebalance(view, a).target == 2
+    assert plan_rebalance(view, b) is None  # a makes the move; b looks again later
+    assert plan_rebalance(view, IDS[2]) is None  # its stage has no other replica
+    assert plan_rebalance(view, IDS[3]) is None  # not in the view

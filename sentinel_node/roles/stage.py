@@ -48,7 +48,7 @@ from hivemind.utils.performance_ema import PerformanceEMA
 
 from dht import DHTUnavailable, StageAnnouncement
 from peers import LivenessBlacklist, SwarmWatcher
-from peers.placement import Move, StageChoice, choose_stage, plan_move, stage_loads
+from peers.placement import Move, StageChoice, choose_stage, plan_rebalance, stage_loads
 from sentinel_node.attacks import Attacker, AttackError, arm, attack_maker
 from sentinel_node.config import Config
 from sentinel_node.model.stage import layer_range
@@ -660,11 +660,8 @@ class StageNode(Node):
             if self.leaving:
                 return
             view = await self.views.refresh(force=True)
-            mine = view.stages.get(self.stage, {}).get(self.peer_id)
-            if mine is None or mine.state != "online" or view.is_excluded(self.peer_id):
-                continue  # not in the view as a live replica yet: the loads would not count it
-            own = float(self.throughput.samples_per_second)
-            move = plan_move(stage_loads(view), self.stage, own, swarm.balance_quality, self._costs())
+            # as the view counts it (its announced throughput): not in it yet, plan_rebalance gives None
+            move = plan_rebalance(view, self.peer_id, swarm.balance_quality, self._costs())
             if move is not None:
                 logger.info(f"stage {self.stage}: {move.reason}; moving")
                 self.move = move

@@ -376,13 +376,20 @@ class TrainerNode(Node):
         avoid: set[str] = set()
         mode = self.settings.routing.at(step)
         copies = mode.copies if train else 1
+        # Attempts that failed only because a peer did not answer (it died, and the swarm's view still names it
+        # until its record expires) are not counted against max_attempts until wait_for_swarm has passed: the
+        # route is tried again once the view catches up, or once a replica has moved to cover the stage.
+        patience = time.monotonic() + self.settings.wait_for_swarm
         try:
             async with self.inflight:
-                for attempt in range(self.settings.max_attempts):
-                    if attempt and train:
+                attempt, tries = 0, 0
+                while attempt < self.settings.max_attempts:
+                    if tries and train:
                         self.accounting.retried += 1
-                    routes = await self._routes_when_there_are(avoid, copies, mode)
+                    tries += 1
+                    routes = await self._routes_when_there_are(avoid, copies, mode, patience)
                     if routes is None:
+                        attempt += 1
                         continue
                     calls = [
                         self._send(
@@ -393,7 +400,10 @@ class TrainerNode(Node):
                     results = await asyncio.gather(*calls, return_exceptions=True)
                     errors = [r for r in results if isinstance(r, BaseException)]
                     if errors:
-                        await self._after_failure(name, attempt, errors, avoid)
+                        await self._after_failure(name, tries - 1, errors, avoid)
+                        unanswered = all(isinstance(e, HopError) and e.cause.unresponsive for e in errors)
+                        if not unanswered or time.monotonic() > patience:
+                            attempt += 1
                         continue
                     losses = [r.metadata.loss for r in results]
                     if None in losses:
@@ -443,40 +453,47 @@ class TrainerNode(Node):
             await asyncio.sleep(self.config.swarm.announce_period)
             await self.views.refresh(force=True)
 
-    async def _routes_when_there_are(self, avoid: set[str], copies: int, mode) -> list[list[Hop]] | None:
-        """Routes for a microbatch, waiting (up to ``wait_for_swarm`` seconds) while some stage or boundary has
-        nobody to serve it: a stage whose last replica died is covered again by a replica that moves there, and
-        the microbatch should wait for it rather than use up its attempts and count as failed."""
-        deadline = time.monotonic() + self.settings.wait_for_swarm
+    async def _routes_when_there_are(
+        self, avoid: set[str], copies: int, mode, patience: float
+    ) -> list[list[Hop]] | None:
+        """Routes for a microbatch, waiting (until ``patience``) while some stage or boundary has nobody to serve
+        it that is not suspended for failing to answer: a stage whose last replica died is covered again by a
+        replica that moves there, and the microbatch should wait for it rather than use up its attempts on the
+        dead peer and count as failed."""
         while True:
-            routes = await self._routes(avoid, copies, mode.barred(self.views.view))
-            if routes is not None or time.monotonic() > deadline:
+            patient = time.monotonic() < patience
+            routes = await self._routes(avoid, copies, mode.barred(self.views.view), patient)
+            if routes is not None or not patient:
                 return routes
 
-    async def _routes(self, avoid: set[str], copies: int, barred: set[str]) -> list[list[Hop]] | None:
+    async def _routes(
+        self, avoid: set[str], copies: int, barred: set[str], patient: bool = False
+    ) -> list[list[Hop]] | None:
         """``copies`` routes, never through ``barred`` verifiers; duplicates go through other replicas than the first
         copy where the swarm has them."""
         routes: list[list[Hop]] = []
         taken: set[str] = set()
         for _ in range(copies):
-            hops = await self._route(avoid | taken, barred)
+            hops = await self._route(avoid | taken, barred, patient)
             if hops is None:
                 return None
             routes.append(hops)
             taken |= {hop.peer_id for hop in hops if hop.boundary is None}
         return routes
 
-    async def _route(self, avoid: set[str], barred: set[str]) -> list[Hop] | None:
+    async def _route(self, avoid: set[str], barred: set[str], patient: bool = False) -> list[Hop] | None:
         """The hops of a new route avoiding ``avoid`` if possible and ``barred`` always; None (after a pause) if the
-        swarm has none."""
+        swarm has none. A ``patient`` caller gets None rather than a route through a peer suspended for not
+        answering."""
         view = self.views.view
         avoid = avoid | barred
         try:
             try:
                 route = choose_route(view, self.route_rng, self.blacklist, avoid)
             except NoRouteError:
-                # better a peer that failed this microbatch once than none at all
-                route = choose_route(view, self.route_rng, None, barred)
+                # better a peer that failed this microbatch once than none at all (but a suspended one only when
+                # there is no time left to wait for the view to change)
+                route = choose_route(view, self.route_rng, self.blacklist if patient else None, barred)
         except NoRouteError as e:
             if time.monotonic() - self._no_route_said > 10.0:  # once per stretch, not once per microbatch
                 self._no_route_said = time.monotonic()
