@@ -11,10 +11,11 @@ replica of the doubled stage moves there, and the trainer's accounting says noth
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import yaml
@@ -182,7 +183,15 @@ def test_a_stage_whose_only_replica_dies_is_covered_by_a_move_and_nothing_is_los
     assert swarm_cli("status", "--check", "--initial-peers", swarm.initial_peers[0]).exit_code == 1
 
 
-def test_every_process_is_gone_after_stop(swarm):
+def test_ctrl_c_stops_every_role_cleanly_and_leaves_nothing_behind(swarm):
+    running = {name: node for name, node in swarm.nodes.items() if node.alive}
+    assert {"bootstrap", "verifier"} <= set(running) and any(n.startswith("stage") for n in running), running
+    logged = {name: len(node.log_path.read_bytes()) for name, node in running.items()}
+    for node in running.values():
+        os.killpg(node.process.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole group, p2pd included
+    for name, node in running.items():
+        assert node.process.wait(timeout=30) == 0, (name, node.log_tail())
+        tail = node.log_path.read_bytes()[logged[name] :].decode(errors="replace")
+        assert "SIGINT: shutting down" in tail and "Traceback" not in tail, (name, tail[-3000:])
     swarm.stop()
     assert swarm.leftovers() == {}
-    assert Path(swarm.workdir).exists()
