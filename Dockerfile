@@ -107,9 +107,12 @@ RUN set -eu; \
     mkdir -p /data /swarm; \
     chown sentinel:sentinel /data /swarm
 
+# Metrics listen on every interface of the container (a node outside one binds 127.0.0.1 by default): publishing
+# the port (-p 127.0.0.1:9400:9400) decides who reaches them.
 ENV HOME=/data \
     XDG_CACHE_HOME=/data/cache \
-    HF_HOME=/data/cache/huggingface
+    HF_HOME=/data/cache/huggingface \
+    SENTINEL_METRICS_HOST=0.0.0.0
 USER sentinel
 WORKDIR /data
 VOLUME ["/data"]

@@ -13,12 +13,13 @@ from dht.identity import (
     peer_id_from_entry,
     peer_id_from_public_key,
 )
-from dht.keys import MAX_STAGES, SwarmKeys
+from dht.keys import CONFIG_KEY, MAX_STAGES, SwarmKeys
 from dht.records import (
     Announcement,
     BootstrapAnnouncement,
     StageAnnouncement,
     StrikeRecord,
+    SwarmConfigRecord,
     SwarmRecord,
     TrainerAnnouncement,
     VerifierAnnouncement,
@@ -38,6 +39,7 @@ from dht.validation import (
 __all__ = [
     "CLOCK_SLACK",
     "MAX_RECORD_BYTES",
+    "CONFIG_KEY",
     "MAX_STAGES",
     "MAX_SUBKEYS",
     "AdmissionError",
@@ -63,6 +65,7 @@ __all__ = [
     "StageAnnouncement",
     "StrikeRecord",
     "SwarmKeys",
+    "SwarmConfigRecord",
     "SwarmRecord",
     "SwarmRecordValidator",
     "TrainerAnnouncement",

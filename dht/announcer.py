@@ -49,12 +49,13 @@ class Announcer:
             self._record = self._record.replace(**changes)
         self._wake.set()
 
-    def stop(self, offline: bool = True) -> None:
-        """Stops refreshing; with ``offline``, first tells readers the node is gone (bounded by the store timeout)."""
+    def stop(self, offline: bool = True, wait: float | None = None) -> None:
+        """Stops refreshing; with ``offline``, first tells readers the node is gone (bounded by the store timeout).
+        ``wait`` bounds how long a refresh under way is waited for (a DHT that is gone never answers it)."""
         self._stopped.set()
         self._wake.set()
         if self._thread.is_alive():
-            self._thread.join()
+            self._thread.join(wait)
         if offline:
             self._announce(self.record.replace(state="offline"))
 

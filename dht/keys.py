@@ -7,11 +7,15 @@
 | ``{prefix}.trainers``       | author's owner tag | TrainerAnnouncement   |
 | ``{prefix}.bootstraps``     | author's owner tag | BootstrapAnnouncement |
 | ``{prefix}.strikes.{peer}`` | verifier owner tag | StrikeRecord          |
+| ``sentinel:swarm-config``   | publisher's tag    | SwarmConfigRecord     |
 
 and hivemind's own averager keys for the replicas of stage k (prefix ``{prefix}_stage{k}``, default group bits):
 ``{prefix}_stage{k}.0b`` (subkey: a peer id's bytes, value: looking for a group) and
 ``{prefix}_stage{k}.all_averagers`` (subkey: a peer id's bytes, value: state-sharing priority or None). Nothing
 else lives in a swarm's DHT: every other key is read as a strike key.
+
+The config key is the same for every swarm: a node joining with nothing but an address learns the prefix from it.
+Its ``:`` cannot occur in a prefix, so it never collides with a swarm's own keys.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_-]+$")
 # Validators must agree across the swarm without reading its config, so stage keys are recognised up to a fixed
 # bound rather than up to the config's n_stages.
 MAX_STAGES = 1024
+
+# where the swarm's config is published (dht.records.SwarmConfigRecord), whatever the prefix
+CONFIG_KEY = "sentinel:swarm-config"
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,12 @@ import pydantic.v1 as pydantic
 from pydantic.v1 import StrictBool, confloat, conint, conlist, constr
 
 from dht.admission import RoleCertificate
-from dht.keys import MAX_STAGES, SwarmKeys
+from dht.keys import CONFIG_KEY, MAX_STAGES, PREFIX_PATTERN, SwarmKeys
 
 PeerIdStr = constr(strict=True, regex=r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")  # base58, as libp2p prints peer ids
 ShortStr = constr(strict=True, max_length=128)
+# what a node may call itself (`join --name`): shown in tables and on the status page, so plain printable ASCII
+NodeName = constr(strict=True, regex=r"^[A-Za-z0-9_.@:+ -]{1,64}$")
 Maddr = constr(strict=True, min_length=1, max_length=512)
 # Generous bounds that no honest node reaches and that keep every sum and weight finite.
 MAX_THROUGHPUT = 1e12  # tokens per second
@@ -44,9 +46,13 @@ Direction = Literal["activation", "gradient"]
 
 MAX_METRICS = 64
 
-# The record schema this code writes and understands in full. Raise it when a record type gains a field; readers
-# of an older schema then accept the newer records and ignore the field.
-SCHEMA = 2  # 2: role certificates in trainer and verifier records; finite numbers
+# The record schema this code writes and understands in full. Raise it when a record type gains a field (and name
+# the field in the type's ``since``); readers of an older schema then accept the newer records and ignore the field,
+# and readers of this one accept older records without it.
+# 2: role certificates in trainer and verifier records and strike records; finite numbers; a node's ``name``, a
+#    stage's ``network`` throughput and ``checkpoint_problem``, a trainer's ``val_loss``, a strike record's
+#    ``thresholds``; the ``swarm_config`` record.
+SCHEMA = 2
 MAX_UNKNOWN_FIELDS = 16
 MAX_FIELD_NAME = 64
 
@@ -57,6 +63,8 @@ class SwarmRecord(pydantic.BaseModel):
     author_field: ClassVar[str] = "peer_id"
     # the role the author must be admitted to (dht.admission) for the record to count; None: open to anyone
     role: ClassVar[Optional[str]] = None
+    # field -> the schema that introduced it: a record of an older schema may lack it (and reads as the default)
+    since: ClassVar[dict[str, int]] = {}
 
     kind: str
     schema_: conint(strict=True, ge=1) = pydantic.Field(SCHEMA, alias="schema")
@@ -91,12 +99,17 @@ class Announcement(SwarmRecord):
 
     peer_id: PeerIdStr
     maddrs: conlist(Maddr, max_items=32)
+    since: ClassVar[dict[str, int]] = {"name": 2}
+
     state: State
     relayed: StrictBool  # reachable only through a relay: slower, routed to only when no direct peer is left
-    throughput: Throughput
+    throughput: Throughput  # stage: tokens/s of compute; verifier: checks/s it sustains; trainer: tokens/s trained
+    name: Optional[NodeName] = None  # what the node's owner calls it (`join --name`), for people
 
 
 class StageAnnouncement(Announcement):
+    since: ClassVar[dict[str, int]] = {"name": 2, "network": 2, "checkpoint_problem": 2}
+
     kind: Literal["stage"] = "stage"
     stage: StageIndex
     # the last global step the replica applied (-1: none yet); a trainer joining a swarm whose trainers have all
@@ -104,6 +117,9 @@ class StageAnnouncement(Announcement):
     last_step: Step = -1
     # why its last checkpoint could not be written (disk full, ...), until one is; None: fine, or no checkpoints
     checkpoint_problem: Optional[constr(strict=True, max_length=256)] = None
+    # tokens/s it actually served over the last report period (wall clock, waiting on peers included); the
+    # announced ``throughput`` is what its compute alone sustains
+    network: Throughput = 0.0
 
     def key(self, keys: SwarmKeys) -> str:
         return keys.stage(self.stage)
@@ -111,6 +127,7 @@ class StageAnnouncement(Announcement):
 
 class VerifierAnnouncement(Announcement):
     role: ClassVar[Optional[str]] = "verifier"
+    since: ClassVar[dict[str, int]] = {"name": 2, "certificate": 2}
 
     kind: Literal["verifier"] = "verifier"
     boundaries: conlist(StageIndex, max_items=MAX_STAGES)  # boundary b sits between stage b and stage b+1
@@ -128,10 +145,12 @@ class VerifierAnnouncement(Announcement):
 
 class TrainerAnnouncement(Announcement):
     role: ClassVar[Optional[str]] = "trainer"
+    since: ClassVar[dict[str, int]] = {"name": 2, "val_loss": 2, "certificate": 2}
 
     kind: Literal["trainer"] = "trainer"
     global_step: Count
     loss: Optional[Loss] = None
+    val_loss: Optional[Loss] = None  # the last validation loss
     certificate: Optional[RoleCertificate] = None  # the organiser's; None for a trainer the config lists
 
     def key(self, keys: SwarmKeys) -> str:
@@ -150,6 +169,7 @@ class StrikeRecord(SwarmRecord):
 
     author_field: ClassVar[str] = "verifier"
     role: ClassVar[Optional[str]] = "verifier"
+    since: ClassVar[dict[str, int]] = {"thresholds": 2, "certificate": 2}
 
     kind: Literal["strike"] = "strike"
     verifier: PeerIdStr
@@ -162,8 +182,10 @@ class StrikeRecord(SwarmRecord):
     metrics: dict[constr(strict=True, max_length=64), MetricValue]
     banned: StrictBool
     certificate: Optional[RoleCertificate] = None  # the verifier's, as in its announcement
+    # each metric's threshold when the record was written, beside its score in ``metrics``
+    thresholds: dict[constr(strict=True, max_length=64), MetricValue] = pydantic.Field(default_factory=dict)
 
-    @pydantic.validator("metrics")
+    @pydantic.validator("metrics", "thresholds")
     def _few_metrics(cls, metrics: dict) -> dict:
         if len(metrics) > MAX_METRICS:
             raise ValueError(f"at most {MAX_METRICS} metrics, got {len(metrics)}")
@@ -182,12 +204,39 @@ class StrikeRecord(SwarmRecord):
         return keys.strikes(self.accused)
 
 
+# the largest config a swarm_config record may carry: the record must fit a stored value's 8 KiB (dht.rules); the
+# presets are about 2.5 KB as JSON
+MAX_CONFIG_CHARS = 7 * 1024
+
+
+class SwarmConfigRecord(SwarmRecord):
+    """The swarm's config as a node of the swarm (its bootstrap) published it, for nodes that join with nothing
+    but an address. ``config`` is the config as JSON and ``config_hash`` its swarm hash; the reader that turns it
+    back into a config checks the one against the other (the hash is defined above this layer).
+
+    It lives under one key for every swarm (:data:`~dht.keys.CONFIG_KEY`): a joiner does not know the swarm's
+    prefix until it has read this record. Each publisher writes under its own owner tag; today any node may
+    publish, and readers refuse to guess when publishers disagree; but the swarm's own nodes store only the record
+    of their own config (its ``config_hash`` and ``prefix``, :mod:`dht.validation`), so a joiner reading through
+    them never sees another swarm's.
+    """
+
+    kind: Literal["swarm_config"] = "swarm_config"
+    peer_id: PeerIdStr  # the publisher
+    prefix: constr(strict=True, regex=PREFIX_PATTERN.pattern, max_length=128)
+    config: constr(strict=True, min_length=2, max_length=MAX_CONFIG_CHARS)
+
+    def key(self, keys: SwarmKeys) -> str:
+        return CONFIG_KEY
+
+
 RECORD_TYPES: dict[str, type[SwarmRecord]] = {
     "stage": StageAnnouncement,
     "verifier": VerifierAnnouncement,
     "trainer": TrainerAnnouncement,
     "bootstrap": BootstrapAnnouncement,
     "strike": StrikeRecord,
+    "swarm_config": SwarmConfigRecord,
 }
 
 ANNOUNCEMENT_KINDS = frozenset({"stage", "verifier", "trainer", "bootstrap"})
@@ -197,9 +246,10 @@ def parse_record(value: object) -> SwarmRecord:
     """The record a DHT value holds, exactly as written; ValueError if it is not a well-formed record.
 
     Beyond pydantic's checks, the value must equal the parsed record field for field, so defaults filled in or
-    values converted on parsing count as malformed (the same rule as hivemind's SchemaValidator). Fields this
-    reader does not know are allowed only in a record of a newer schema, at most :data:`MAX_UNKNOWN_FIELDS` of
-    them, and are left out of the record it returns.
+    values converted on parsing count as malformed (the same rule as hivemind's SchemaValidator), except a field
+    introduced after the record's schema (``since``), which an older writer could not know. Fields this reader
+    does not know are allowed only in a record of a newer schema, at most :data:`MAX_UNKNOWN_FIELDS` of them,
+    and are left out of the record it returns.
     """
     if not isinstance(value, dict):
         raise ValueError(f"a record is a dict, got {type(value).__name__}")
@@ -224,6 +274,11 @@ def parse_record(value: object) -> SwarmRecord:
         record = record_type.parse_obj(value)
     except pydantic.ValidationError as e:
         raise ValueError(f"malformed {kind} record: {e}") from None
-    if record.dict() != value:
-        raise ValueError(f"{kind} record needs conversions or defaults to fit its schema: {value}")
+    newer = {
+        field.alias
+        for name, field in record_type.__fields__.items()
+        if record_type.since.get(name, 1) > schema and field.alias not in value
+    }
+    if {name: item for name, item in record.dict().items() if name not in newer} != value:
+        raise ValueError(f"{kind} record needs conversions or defaults to fit its schema: {str(value)[:500]}")
     return record

@@ -19,6 +19,9 @@ from dht.records import ANNOUNCEMENT_KINDS
 CLOCK_SLACK = 60.0
 # hivemind's averagers declare themselves for seconds (matchmaking) to half a minute (state sharing).
 AVERAGER_MAX_TTL = 300.0
+# A swarm's published config (dht.records.SwarmConfigRecord) is refreshed every minute and may live a few hours, so a
+# swarm whose bootstraps all stopped can still be joined for a while.
+CONFIG_MAX_TTL = 4 * 3600.0
 # Bytes of one value as stored (record and signature). An honest announcement is about 1.5 KiB with a certificate.
 MAX_RECORD_BYTES = 8 * 1024
 # Subkeys per key. A DHT reply carries a key's whole dictionary in one message, capped at 4 MiB by the daemon:
@@ -63,4 +66,6 @@ class SwarmRules:
 
     def ttl(self, kind: str) -> float:
         """The longest a record of ``kind`` may live."""
+        if kind == "swarm_config":
+            return CONFIG_MAX_TTL
         return self.announce_ttl if kind in ANNOUNCEMENT_KINDS else self.strike_ttl

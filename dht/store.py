@@ -12,21 +12,24 @@ long are dropped; reads give up at a deadline instead of waiting on an unrespons
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
 import hivemind
+from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time, get_logger
 
 from dht.identity import Identity
-from dht.keys import SwarmKeys
+from dht.keys import CONFIG_KEY, SwarmKeys
 from dht.records import (
     BootstrapAnnouncement,
     StageAnnouncement,
     StrikeRecord,
+    SwarmConfigRecord,
     SwarmRecord,
     TrainerAnnouncement,
     VerifierAnnouncement,
@@ -40,7 +43,28 @@ R = TypeVar("R", bound=SwarmRecord)
 
 
 class DHTUnavailable(TimeoutError):
-    """The DHT did not answer within the deadline; the message names what was asked."""
+    """The DHT did not answer within the deadline; the message names what was asked. ``found`` holds the keys
+    that did answer, decoded as :meth:`RecordStore.fetch` would have returned them."""
+
+    def __init__(self, message: str, found: dict | None = None) -> None:
+        super().__init__(message)
+        self.found = found or {}
+
+
+async def _latest_values(_dht: hivemind.DHT, node, keys: tuple[str, ...], timeout: float) -> dict:
+    """Runs in the DHT's process: the latest value of each key that was found within ``timeout`` seconds, from
+    one traversal of the DHT for all of them (one request per DHT node carries every key); keys still searched
+    at the deadline are left out, keys found empty map to None."""
+    ids = {DHTID.generate(source=key): key for key in keys}
+    futures = await node.get_many_by_id(list(ids), sufficient_expiration_time=float("inf"), return_futures=True)
+    done, pending = await asyncio.wait(list(futures.values()), timeout=timeout) if futures else (set(), set())
+    for future in pending:
+        future.cancel()
+    return {
+        ids[key_id]: future.result()
+        for key_id, future in futures.items()
+        if future in done and not future.cancelled() and future.exception() is None
+    }
 
 
 class RecordStore:
@@ -104,31 +128,33 @@ class RecordStore:
     def fetch(
         self, keys: Sequence[str], timeout: float | None = None, partial: bool = False
     ) -> dict[str, dict[str, SwarmRecord]]:
-        """For each key, its valid records by author, all read in parallel; past the deadline, DHTUnavailable, or
-        with ``partial`` the keys answered so far (the others left out)."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        """For each key, its valid records by author, read in one traversal of the DHT; DHTUnavailable (holding
+        the keys that did answer in ``found``) when some key found no answer before the deadline, or with
+        ``partial`` the keys answered so far (the others left out)."""
+        timeout = self.timeout if timeout is None else timeout
+        keys = tuple(dict.fromkeys(keys))
+        if not keys:
+            return {}
+        # The search gives up a little before the caller does, so its partial answer still comes back in time.
+        search_s = max(0.05, 0.9 * timeout - 0.05)
+        coroutine = functools.partial(_latest_values, keys=keys, timeout=search_s)
         with self._send_lock:
-            futures = {key: self.dht.get(key, latest=True, return_future=True) for key in keys}
-        results: dict[str, dict[str, SwarmRecord]] = {}
+            future = self.dht.run_coroutine(coroutine, return_future=True)
         try:
-            for key, future in futures.items():
-                try:
-                    found = future.result(timeout=max(0.0, deadline - time.monotonic()))
-                except FutureTimeout:
-                    if not partial:
-                        raise
-                    continue
-                results[key] = self._decode(key, found)
-            return results
+            values = future.result(timeout=max(0.1, timeout))
         except FutureTimeout:
-            missing = [key for key in keys if key not in results]
+            # Not cancelled: the search ends on its own at its deadline, and setting the result of a cancelled
+            # future would make the DHT process log a traceback. Once dropped here, its answer is ignored.
+            values = {}
+        results = {key: self._decode(key, values[key]) for key in keys if key in values}
+        missing = [key for key in keys if key not in results]
+        if missing and not partial:
             raise DHTUnavailable(
-                f"the DHT gave no answer within {self.timeout if timeout is None else timeout:.1f}s "
-                f"for {len(missing)} of {len(keys)} keys (first: {missing[0]!r})"
-            ) from None
-        finally:
-            for future in futures.values():
-                future.cancel()
+                f"the DHT gave no answer within {timeout:.1f}s for {len(missing)} of {len(keys)} keys "
+                f"(first: {missing[0]!r})",
+                found=results,
+            )
+        return results
 
     def get(self, key: str, record_type: type[R]) -> dict[str, R]:
         """The valid records of one type under ``key``, by author."""
@@ -152,15 +178,24 @@ class RecordStore:
         """The strike records about ``accused``, by verifier."""
         return self.get(self.keys.strikes(accused), StrikeRecord)
 
+    def swarm_configs(self, timeout: float | None = None) -> dict[str, SwarmConfigRecord]:
+        """Every well-formed swarm config record, by publisher, whatever config this store was opened with (a
+        node reads them to learn which config to run)."""
+        found = self.fetch([CONFIG_KEY], timeout)[CONFIG_KEY]
+        return _only(found, SwarmConfigRecord)
+
     def _decode(self, key: str, found: object) -> dict[str, SwarmRecord]:
         if found is None or not isinstance(found.value, dict):
             return {}
         records: dict[str, SwarmRecord] = {}
         record_key_id = key_id(key)
         now = get_dht_time()
+        any_config = key == CONFIG_KEY  # a joiner reads which config to run (the swarm's nodes store only theirs)
         for subkey, item in found.value.items():
             try:
-                record = check_record(self.rules, record_key_id, subkey, item.value, item.expiration_time, now)
+                record = check_record(
+                    self.rules, record_key_id, subkey, item.value, item.expiration_time, now, any_config=any_config
+                )
             except ForeignConfigError as e:
                 self._warn_foreign_config(subkey, e.config_hash)
                 continue

@@ -33,6 +33,7 @@ from dht.identity import Identity, IdentityError, peer_id_from_public_key, publi
 from dht.records import (
     StageAnnouncement,
     StrikeRecord,
+    SwarmConfigRecord,
     SwarmRecord,
     VerifierAnnouncement,
     parse_record,
@@ -93,10 +94,12 @@ def check_record(
     value: object,
     expiration: float,
     now: float | None = None,
+    any_config: bool = False,
 ) -> SwarmRecord:
     """The record, if ``value`` is one that this swarm's validators accept under ``record_key_id`` and ``subkey``
     with ``expiration``; RecordError (ForeignConfigError for another config's record) saying why otherwise.
-    Signatures are checked separately, by hivemind's RSASignatureValidator."""
+    Signatures are checked separately, by hivemind's RSASignatureValidator. ``any_config`` lets a swarm config
+    record of any swarm pass (a joiner reading which config to run; the swarm's own nodes store only their own)."""
     now = get_dht_time() if now is None else now
     public_key = public_key_from_owner_tag(subkey) if isinstance(subkey, bytes) else None
     if public_key is None:
@@ -108,11 +111,13 @@ def check_record(
         raise RecordError(str(e)) from None
     if record.author != owner:
         raise RecordError(f"the record speaks for {record.author} but is owned by {owner}")
-    _check_place(rules, record)
+    foreign_ok = any_config and isinstance(record, SwarmConfigRecord)
+    if not foreign_ok:
+        _check_place(rules, record)
     expected_key = record.key(rules.keys)
     if key_id(expected_key) != record_key_id:
         raise RecordError(f"a {record.kind} record about its content belongs under {expected_key!r} only")
-    if record.config_hash != rules.config_hash:
+    if record.config_hash != rules.config_hash and not foreign_ok:
         raise ForeignConfigError(
             f"a {record.kind} record of config {record.config_hash}, this swarm's is {rules.config_hash}",
             record.config_hash,
@@ -130,6 +135,8 @@ def _check_place(rules: SwarmRules, record: SwarmRecord) -> None:
         raise RecordError(f"boundaries {record.boundaries}: the swarm has {rules.n_boundaries} boundaries")
     if isinstance(record, StrikeRecord) and record.boundary >= rules.n_boundaries:
         raise RecordError(f"boundary {record.boundary} does not exist: the swarm has {rules.n_boundaries}")
+    if isinstance(record, SwarmConfigRecord) and record.prefix != rules.prefix:
+        raise RecordError(f"the config of swarm {record.prefix!r}, this swarm is {rules.prefix!r}")
 
 
 def _check_times(rules: SwarmRules, record: SwarmRecord, expiration: float, now: float) -> None:
@@ -238,6 +245,12 @@ def record_bytes(value: object) -> int:
     return len(MSGPackSerializer.dumps(value)) + SIGNATURE_BYTES
 
 
-def swarm_validators(rules: SwarmRules, identity: Identity) -> list[RecordValidatorBase]:
-    """The validators to pass to ``hivemind.DHT(record_validators=...)`` on every node of the swarm."""
+def swarm_validators(rules: SwarmRules | None, identity: Identity) -> list[RecordValidatorBase]:
+    """The validators to pass to ``hivemind.DHT(record_validators=...)`` on every node of the swarm.
+
+    ``rules=None`` is for a client-mode reader that does not know the swarm yet (it is about to read the swarm's
+    config): signatures only. It stores nothing for others, and every record it reads is checked again by
+    :class:`~dht.RecordStore`."""
+    if rules is None:
+        return [RSASignatureValidator(identity.private_key)]
     return [RSASignatureValidator(identity.private_key), SwarmRecordValidator(rules)]

@@ -1,5 +1,6 @@
 """The peer society: who is who, routing choice, strikes and exclusion."""
 
+from peers.health import Health, Verdict
 from peers.ledger import StrikeLedger
 from peers.liveness import BackoffParams, LivenessBlacklist, PairBlacklist
 from peers.policy import DEFAULT_MIN_VOTER_AGE, Exclusion, ExclusionParams, ExclusionPolicy, verifier_peer_id
@@ -17,7 +18,7 @@ from peers.routing import (
     pick_replica,
     pick_verifier,
 )
-from peers.view import Health, SwarmView, SwarmWatcher
+from peers.view import SwarmView, SwarmWatcher
 
 __all__ = [
     "DEFAULT_MIN_VOTER_AGE",
@@ -37,6 +38,7 @@ __all__ = [
     "StrikeLedger",
     "SwarmView",
     "SwarmWatcher",
+    "Verdict",
     "choose_route",
     "expand",
     "order_candidates",

@@ -19,31 +19,9 @@ from dht.records import (
     VerifierAnnouncement,
 )
 from dht.store import RecordStore
+from peers.health import Health
 from peers.ledger import StrikeLedger
 from peers.policy import Exclusion, ExclusionPolicy
-
-
-@dataclass(frozen=True)
-class Health:
-    """What keeps the pipeline from running: stages nobody serves, boundaries nobody verifies."""
-
-    stages_without_replica: tuple[int, ...]
-    boundaries_without_verifier: tuple[int, ...]
-
-    @property
-    def ok(self) -> bool:
-        return not self.stages_without_replica and not self.boundaries_without_verifier
-
-    def summary(self) -> str:
-        if self.ok:
-            return "healthy: every stage has a live replica and every boundary a verifier"
-        problems = []
-        if self.stages_without_replica:
-            problems.append("no live replica for stage " + ", ".join(map(str, self.stages_without_replica)))
-        if self.boundaries_without_verifier:
-            names = ", ".join(f"{b}|{b + 1}" for b in self.boundaries_without_verifier)
-            problems.append("no verifier on boundary " + names)
-        return "degraded: " + "; ".join(problems)
 
 
 @dataclass(frozen=True)
@@ -99,9 +77,9 @@ class SwarmView:
         return sorted(per_stage)[(len(per_stage) - 1) // 2]
 
     def health(self) -> Health:
-        return Health(
-            stages_without_replica=tuple(k for k in range(self.n_stages) if not self.live_replicas(k)),
-            boundaries_without_verifier=tuple(b for b in range(self.n_stages - 1) if not self.live_verifiers(b)),
+        return Health.of(
+            [len(self.live_replicas(k)) for k in range(self.n_stages)],
+            [len(self.live_verifiers(b)) for b in range(self.n_stages - 1)],
         )
 
 

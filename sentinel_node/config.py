@@ -188,6 +188,15 @@ class SwarmConfig(_Strict):
     announce_period: float = Field(5.0, gt=0, description="seconds between announcement refreshes")
     announce_ttl: float = Field(20.0, gt=0, description="seconds an announcement lives unless refreshed")
     request_timeout: float = Field(5.0, gt=0, description="seconds a DHT read may take")
+    rebalance_period: float = Field(
+        60.0, ge=0, description="mean seconds between a placed replica's checks for a better stage (0: never)"
+    )
+    balance_quality: float = Field(
+        0.75,
+        ge=0,
+        le=1,
+        description="a replica moves when the slowest stage's total is below this share of what the move makes it",
+    )
 
     @model_validator(mode="after")
     def _trust(self) -> SwarmConfig:

@@ -179,6 +179,10 @@ class Demo:
         self.echo(f"starting a local swarm in {self.workdir}")
         bootstrap = self.swarm.start("bootstrap", "bootstrap", metrics=settings.metrics)
         self.swarm.wait_ready([bootstrap], settings.start_timeout)
+        (self.workdir / "initial-peers.txt").write_text("\n".join(bootstrap.maddrs) + "\n")
+        self.echo(f"bootstrap {bootstrap.peer_id}; join this swarm, or watch it, with:")
+        self.echo(f"  --initial-peers {bootstrap.maddrs[0]}   (also in {self.workdir / 'initial-peers.txt'})")
+        self.echo(f"  e.g. sentinel-node swarm status --initial-peers {bootstrap.maddrs[0]}")
         nodes = []
         for name in self.stage_names():
             stage = name.split("-")[0].removeprefix("stage")

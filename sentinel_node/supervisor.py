@@ -114,9 +114,13 @@ class LocalSwarm:
     def identity(self, name: str) -> Path:
         return self.workdir / "identities" / f"{name}.key"
 
-    def start(self, name: str, role: str, *args: str, metrics: bool = False) -> NodeProcess:
+    def start(
+        self, name: str, role: str, *args: str, metrics: bool = False, config: Path | None | bool = True
+    ) -> NodeProcess:
         """Starts a node (without waiting for it); its stderr goes to ``logs/NAME.log``. With ``metrics``, it
-        serves Prometheus metrics on a free port of this machine (``node.metrics_port``)."""
+        serves Prometheus metrics on a free port of this machine (``node.metrics_port``). ``config``: True for
+        the swarm's config file, a path for another, False for none (the node runs the config the swarm
+        publishes)."""
         if name in self.nodes:
             raise ValueError(f"a node named {name} was already started")
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
@@ -128,8 +132,7 @@ class LocalSwarm:
             "join",
             "--role",
             role,
-            "--config",
-            str(self.config_path),
+            *(["--config", str(self.config_path if config is True else config)] if config else []),
             "--identity",
             str(self.identity(name)),
             "--host-maddrs",

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
+import shutil
 import threading
 import time
 import urllib.request
@@ -21,11 +23,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from click.testing import CliRunner
 from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
 from hivemind.proto.runtime_pb2 import Tensor as WireTensor
 from hivemind.utils import get_dht_time
 from prometheus_client.parser import text_string_to_metric_families
 from raw_dht import raw_store_signed
+from status_page import browser_page, get_json, status_server
 
 from dht import (
     DHTUnavailable,
@@ -39,6 +43,7 @@ from dht import (
     ephemeral_identity,
     load_identity_file,
 )
+from sentinel_node.cli import main
 from sentinel_node.demo import Demo, DemoSettings
 from sentinel_node.roles.common import record_store, start_dht, stop_dht
 from sentinel_node.roles.metrics import METRICS
@@ -73,6 +78,7 @@ FLOOD_AT = 8  # 100 fake verifier announcements, signed by 100 fresh keys (issue
 FAKE_VERIFIERS = 100
 SCRAPE_AT = (3, 16)  # Prometheus scrapes of live nodes while they train (and one more after training)
 SCRAPED = ("bootstrap", "stage1-0", "verifier0", "trainer")
+CHECK_AT = 2  # `swarm status --check` of the healthy swarm, before anything is killed
 
 pytestmark = pytest.mark.slow
 
@@ -87,14 +93,22 @@ def demo(tmp_path_factory) -> Iterator[Demo]:
         eval_every=6,
         start_timeout=400.0,  # generous: other jobs may load the machine
     )
-    with Demo(settings) as running:
+    with Demo(settings) as running, contextlib.ExitStack() as page:
         running.start()
         running.scrapes = {}
         flooder = Peer(running, ephemeral_identity())
         fakes = [ephemeral_identity() for _ in range(FAKE_VERIFIERS)]
         flooding = threading.Thread(target=flood_with_fake_verifiers, args=(flooder, fakes), daemon=True)
+        # the status page follows the whole run, so it has seen the training curve and the ban
+        running.page_url = page.enter_context(status_server(running.swarm.initial_peers, "--refresh", "2"))
 
         def chaos(record: dict) -> None:
+            if record["step"] == CHECK_AT:  # every stage has two replicas, every boundary two verifiers
+                check = CliRunner().invoke(
+                    main,
+                    ["swarm", "status", "--check", "--timeout", "60", "--initial-peers", *running.swarm.initial_peers],
+                )
+                running.healthy_check = (check.exit_code, check.output[-2000:])
             if record["step"] in SCRAPE_AT:
                 running.scrapes[record["step"]] = {name: scrape(running.node(name)) for name in SCRAPED}
             if record["step"] == KILL_STAGE_AT:
@@ -512,6 +526,41 @@ def test_the_next_trainer_carries_the_count_on_and_every_replica_applies_it(demo
     while time.monotonic() < deadline and any(demo.node(n).status().last_step != STEPS + 1 for n in live):
         time.sleep(0.5)
     assert {n: demo.node(n).status().last_step for n in live} == dict.fromkeys(live, STEPS + 1)
+
+
+def test_status_check_of_a_healthy_swarm_exits_zero(demo):
+    code, output = demo.healthy_check
+    assert code == 0, output
+    assert "health: healthy" in output
+
+
+def test_status_page_shows_every_stage_and_the_banned_attacker(demo, tmp_path):
+    url, attacker = demo.page_url, demo.attacker
+    deadline = time.monotonic() + 60
+    while attacker not in get_json(url + "api/bans")["bans"] and time.monotonic() < deadline:
+        time.sleep(1)
+    bans = get_json(url + "api/bans")["bans"]
+    assert attacker in bans and "strikes on" in bans[attacker]["reason"], bans
+    history = get_json(url + "api/history")["points"]
+    assert len([p for p in history if p["loss"] is not None]) >= 5, history
+    metrics = urllib.request.urlopen(url + "metrics", timeout=10).read().decode()
+    assert "sentinel_swarm_excluded_peers 1.0" in metrics and 'sentinel_stage_live_replicas{stage="0"}' in metrics
+    with browser_page(tmp_path / "profile") as page:
+        page.goto(url)
+        page.wait_for_selector("body[data-loaded=yes]", timeout=60_000)
+        for k in range(demo.config.pipeline.n_stages):
+            assert page.locator(f'[data-stage="{k}"]').count() == 1, k
+        for b in range(demo.config.pipeline.n_stages - 1):
+            assert page.locator(f'[data-boundary="{b}"] li[data-peer]').count() >= 1, b
+        banned = page.locator(f'#bans tr[data-peer="{attacker}"]')
+        assert banned.count() == 1 and "strikes on" in banned.inner_text()
+        assert page.locator(f'#map li.excluded[data-peer="{attacker}"]').count() == 1
+        assert page.locator("#loss-chart polyline").count() >= 1  # the training curve was drawn
+        shot = tmp_path / "status-page.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 10_000
+        if os.environ.get("SENTINEL_SCREENSHOT"):  # how docs/status-page.png was made
+            shutil.copy(shot, os.environ["SENTINEL_SCREENSHOT"])
 
 
 def test_every_process_is_gone_after_stop(demo):

@@ -195,8 +195,8 @@ def test_strike_publisher_writes_the_latest_record_per_peer():
     assert [r.strikes for r in store.puts] == [3, 3]  # the first write, then only the newest of those queued
 
 
-def test_join_stage_needs_a_stage_and_a_valid_attack():
-    result = CliRunner().invoke(main, ["join", "--role", "stage"])
-    assert result.exit_code == 2 and "--role stage needs --stage K" in result.output
+def test_join_stage_needs_a_stage_of_the_config_and_a_valid_attack():
+    result = CliRunner().invoke(main, ["join", "--role", "stage", "--stage", "9"])
+    assert result.exit_code == 1 and "--stage 9 is outside 0..3" in result.output
     result = CliRunner().invoke(main, ["join", "--role", "verifier", "--boundaries", "zero"])
     assert result.exit_code == 2 and "integers, e.g. --boundaries 0,1" in result.output

@@ -25,7 +25,7 @@ from click.testing import CliRunner, Result
 from dht import StrikeRecord, ephemeral_identity
 from peers import StrikeLedger, SwarmView
 from sentinel_node.cli import main
-from sentinel_node.cli.swarm_tables import render_bans, render_strikes, to_json
+from sentinel_node.cli.swarm_tables import render_bans, render_strikes, short_id, to_json
 from sentinel_node.config import load_config
 from sentinel_node.processes import alive, command_name, descendants
 
@@ -156,7 +156,13 @@ def test_swarm_status_json_reflects_every_bootstrap(bootstraps, config_path):
     table = swarm_cli("status", "--config", config_path, "--initial-peers", bootstraps[0].maddrs[0])
     assert table.exit_code == 0, table.output[-3000:]
     assert all(n.peer_id in table.stdout for n in bootstraps)
-    assert "health: degraded: no live replica for stage 0, 1, 2, 3" in table.stdout
+    assert "health: broken: no live replica for stage 0, 1, 2, 3" in table.stdout
+    assert "0 tok/s" in table.stdout and "0 checks/s" in table.stdout  # every figure has its unit
+    # a node given nothing but an address reads the swarm's own config (this swarm's is not the default one)
+    fetched = swarm_cli("status", "--json", "--initial-peers", bootstraps[1].maddrs[0], "--timeout", "20")
+    assert fetched.exit_code == 0, fetched.output[-3000:]
+    assert json.loads(fetched.stdout)["swarm"] == "cli-test"
+    assert swarm_cli("status", "--check", "--initial-peers", bootstraps[1].maddrs[0]).exit_code == 2  # broken
 
 
 @pytest.mark.slow
@@ -178,12 +184,15 @@ def test_unreachable_or_missing_bootstrap_gives_a_clear_error_quickly(bootstraps
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_stopped_node_leaves_no_child_behind_and_goes_offline(bootstraps, config_path, signum):
+@pytest.mark.parametrize(
+    ("role", "signum"), [("bootstrap", signal.SIGTERM), ("bootstrap", signal.SIGINT), ("trainer", signal.SIGINT)]
+)
+def test_a_stopped_node_leaves_no_child_behind_and_goes_offline(bootstraps, config_path, role, signum):
+    # a trainer in a swarm without stages waits for them: it must stop cleanly meanwhile too
     node = Node(
         [
             "--role",
-            "bootstrap",
+            role,
             "--config",
             config_path,
             "--host-maddrs",
@@ -201,6 +210,8 @@ def test_a_stopped_node_leaves_no_child_behind_and_goes_offline(bootstraps, conf
         else:
             node.proc.send_signal(signum)
         assert node.proc.wait(timeout=15) == 0
+        stderr = node.proc.stderr.read()
+        assert "Traceback" not in stderr, stderr[-3000:]  # Ctrl-C reaches p2pd too: no lost-connection noise
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(alive(pid) for pid in children):
             time.sleep(0.1)
@@ -247,9 +258,10 @@ def test_strikes_and_bans_render_with_their_verifiers():
         open_voters=voters,
     )
 
-    strikes = render_strikes(view, config)
+    strikes = render_strikes(view, config, wide=True)
     assert all(v in strikes for v in verifiers) and "1|2" in strikes and "l2=7.5" in strikes and "10s" in strikes
-    bans = render_bans(view, config)
+    assert all(short_id(v) in render_strikes(view, config) for v in verifiers)
+    bans = render_bans(view, config, wide=True)
     assert accused in bans and "2/2" in bans and "open set" in bans
     report = to_json(view, config, "bans")["bans"]
     assert set(report[accused]["voters"]) == set(verifiers[:2])
@@ -285,6 +297,25 @@ def test_a_taken_metrics_port_is_a_clear_error_and_leaves_nothing_behind(bootstr
         )
     assert result.returncode == 1
     assert f"--metrics-port {port}: cannot listen" in result.stderr and "choose a free port" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_taken_host_port_is_a_clear_error(bootstraps, config_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [*CLI, "join", "--role", "bootstrap", "--config", config_path]
+            + ["--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            start_new_session=True,
+        )
+    assert result.returncode == 1
+    assert f"--host-maddrs /ip4/127.0.0.1/tcp/{port}: cannot listen" in result.stderr, result.stderr[-2000:]
+    assert "choose a free port" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_a_device_this_machine_lacks_is_a_clear_error():

@@ -16,6 +16,19 @@ ROLE_RUNNERS = {
 }
 
 
+def _swarm_config(peers: tuple[str, ...]):
+    """The config the swarm at ``peers`` publishes (a node given --initial-peers and no --config runs it)."""
+    from hivemind.utils import get_logger
+
+    from sentinel_node.swarm_reader import fetch_swarm_config
+
+    config = fetch_swarm_config(peers, timeout=60.0)
+    get_logger("sentinel_node.join").info(
+        f"running the config the swarm publishes: {config.swarm.prefix} ({config.swarm_hash()})"
+    )
+    return config
+
+
 def _print_ready(peer_id: str, maddrs: list[str]) -> None:
     click.echo(f"node {peer_id} is up; other nodes join with:")
     for maddr in maddrs:
@@ -25,7 +38,12 @@ def _print_ready(peer_id: str, maddrs: list[str]) -> None:
 def _pipeline_options(command):
     """Options of the stage, verifier and trainer roles (ignored by the others)."""
     options = [
-        click.option("--stage", type=click.IntRange(min=0), help="stage: which stage of the model to hold (0-based)."),
+        click.option(
+            "--stage",
+            type=click.IntRange(min=0),
+            help="stage: hold this stage of the model (0-based); default: the stage the swarm needs most, "
+            "changed when the swarm needs another more.",
+        ),
         click.option(
             "--device",
             default="auto",
@@ -117,8 +135,6 @@ def _role_settings(role: str, opts: dict) -> dict:
     if role == "stage":
         from sentinel_node.roles.stage import AttackOptions, StageOptions
 
-        if opts["stage"] is None:
-            raise click.UsageError("--role stage needs --stage K: which stage of the model this node holds")
         attack = None
         if opts["attack"] or opts["attack_file"]:
             attack = AttackOptions(
@@ -213,6 +229,14 @@ def _role_settings(role: str, opts: dict) -> dict:
     envvar="SENTINEL_METRICS_PORT",
     help="Serve Prometheus metrics on this port (0: any free port; default: off).",
 )
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    envvar="SENTINEL_METRICS_HOST",
+    help="Address the metrics server listens on (0.0.0.0: every interface, e.g. for a Prometheus elsewhere).",
+)
+@click.option("--name", help="What to call this node in tables and on the status page (letters, digits, ' .-_@:+').")
 @_pipeline_options
 def join(
     role: str,
@@ -225,32 +249,50 @@ def join(
     use_relay: bool,
     use_auto_relay: bool,
     metrics_port: int | None,
+    metrics_host: str,
+    name: str | None,
     **role_options,
 ) -> None:
-    """Run a node of the swarm in ROLE until SIGTERM or Ctrl-C (a trainer with --steps ends after them)."""
+    """Run a node of the swarm in ROLE until SIGTERM or Ctrl-C (a trainer with --steps ends after them).
+
+    With --initial-peers and no --config, the node runs the config the swarm publishes; with both, the two must
+    be the same config."""
     import importlib
+    import re
 
     from dht import IdentityError
     from sentinel_node.attacks import AttackError
     from sentinel_node.roles.common import JoinOptions, NodeError
 
+    if name is not None and not re.fullmatch(r"[A-Za-z0-9_.@:+ -]{1,64}", name):
+        raise click.BadParameter("1 to 64 letters, digits, spaces or . - _ @ : +", param_hint="--name")
+    peers = maddrs(initial_peers, "--initial-peers")
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    use_hivemind_log_handler("in_root_logger")  # the node's own INFO lines (steps, flags, bans) go to stderr too
+    from_swarm = config_path is None and bool(peers)
+    try:
+        config = _swarm_config(peers) if from_swarm else load(config_path)
+    except NodeError as e:
+        raise click.ClickException(str(e)) from None
     options = JoinOptions(
-        config=load(config_path),
+        config=config,
         identity_path=identity_path,
-        initial_peers=maddrs(initial_peers, "--initial-peers"),
+        initial_peers=peers,
         host_maddrs=maddrs(host_maddrs, "--host-maddrs"),
         announce_maddrs=maddrs(announce_maddrs, "--announce-maddrs"),
         metrics_port=metrics_port,
+        metrics_host=metrics_host,
         use_relay=use_relay,
         use_auto_relay=use_auto_relay,
         certificate_path=certificate_path,
+        name=name,
+        config_name="the swarm's own config" if from_swarm else (config_path or "the default config"),
+        config_from_swarm=from_swarm,
     )
     if certificate_path and role not in ("trainer", "verifier"):
         raise click.UsageError(f"--certificate is for trainers and verifiers; a {role} is open to anyone")
     extra = _role_settings(role, role_options)
-    from hivemind.utils.logging import use_hivemind_log_handler
-
-    use_hivemind_log_handler("in_root_logger")  # the node's own INFO lines (steps, flags, bans) go to stderr too
     module, function = ROLE_RUNNERS[role]
     runner = getattr(importlib.import_module(module), function)
     try:

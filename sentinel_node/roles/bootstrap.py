@@ -1,7 +1,8 @@
 """The bootstrap role: a DHT node that stores and relays the swarm's records and is its entry point.
 
 It announces itself under ``{prefix}.bootstraps`` like any other node, so ``sentinel-node swarm status`` lists
-every bootstrap of the swarm, answers the reachability checks of nodes that join through it, and runs until
+every bootstrap of the swarm, publishes the swarm's config (:mod:`sentinel_node.swarm_config`) so that a node can
+join with nothing but its address, answers the reachability checks of nodes that join through it, and runs until
 SIGTERM/SIGINT, when it says it is going offline and shuts its DHT and p2pd down.
 
 Other nodes find it again after a restart only at the same address: a bootstrap with a kept identity but a random
@@ -20,6 +21,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from dht import BootstrapAnnouncement
 from sentinel_node.roles.common import JoinOptions
 from sentinel_node.roles.node import Node, started_node
+from sentinel_node.swarm_config import ConfigPublisher
 
 logger = get_logger(__name__)
 
@@ -48,8 +50,17 @@ class BootstrapNode(Node):
     role = "bootstrap"
     keeps_view = False  # it serves records; it has no use for the swarm's verdicts
 
+    async def prepare(self) -> None:
+        self.publisher = ConfigPublisher(self.context.store, self.config, self.peer_id).start()
+
+    async def finish(self) -> None:
+        await asyncio.to_thread(self.publisher.stop, None if self.context.reachable() else 0.2)
+
     def announcement(self) -> BootstrapAnnouncement:
         return self.announced(BootstrapAnnouncement)
+
+    def describe_details(self) -> list[str]:
+        return [f"publishes the swarm's config {self.config.swarm_hash()}: a node can join with its address alone"]
 
     def ready_line(self) -> str:
         return f"bootstrap {self.peer_id} serving swarm {self.config.swarm.prefix} ({self.config.swarm_hash()})"

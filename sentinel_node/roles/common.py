@@ -26,9 +26,17 @@ import hivemind
 from hivemind.utils import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 
-from dht import Identity, RecordStore, cap_subkeys, create_identity_file, load_identity_file, swarm_validators
+from dht import (
+    MAX_SUBKEYS,
+    Identity,
+    RecordStore,
+    cap_subkeys,
+    create_identity_file,
+    load_identity_file,
+    swarm_validators,
+)
 from sentinel_node.config import Config
-from sentinel_node.processes import alive, descendants
+from sentinel_node.processes import alive, command_name, descendants
 
 logger = get_logger(__name__)
 
@@ -56,6 +64,10 @@ class JoinOptions:
     announce_maddrs: tuple[str, ...] = ()
     start_timeout: float = 60.0
     metrics_port: int | None = None  # serve Prometheus metrics here (0: any free port)
+    metrics_host: str = "127.0.0.1"  # the address the metrics server binds (0.0.0.0: every interface)
+    name: str | None = None  # what the node is called in tables and on the status page
+    config_name: str = "--config"  # where the config came from, for messages (a path, or "the swarm's config")
+    config_from_swarm: bool = False  # read from the swarm's DHT: nothing to check it against
     use_relay: bool = True  # may reach peers that are themselves reachable only through a relay
     use_auto_relay: bool = False  # behind NAT: find relays and be reachable through them
     certificate_path: str | None = None  # the organiser's role certificate (trainers, verifiers)
@@ -128,7 +140,7 @@ def node_identity(path: str | Path | None) -> Iterator[tuple[Identity, bool]]:
 
 
 def start_dht(
-    config: Config,
+    config: Config | None,
     identity: Identity,
     *,
     initial_peers: Iterable[str] = (),
@@ -142,15 +154,16 @@ def start_dht(
 ) -> hivemind.DHT:
     """A running DHT node of the swarm (its libp2p identity is ``identity`` when that has a file), validating every
     record by the swarm's rules and capping every key's subkeys (dht.capacity); NodeStartError within ``timeout``
-    seconds if it cannot start or reach ``initial_peers``."""
-    initial_peers, announce_maddrs = list(initial_peers), list(announce_maddrs)
-    rules = config.swarm_rules()
+    seconds if it cannot start or reach ``initial_peers``. ``config=None`` is for a client-mode reader that does
+    not know the swarm's config yet (signature checks only)."""
+    initial_peers, announce_maddrs, host_maddrs = list(initial_peers), list(announce_maddrs), list(host_maddrs)
+    rules = config.swarm_rules() if config is not None else None
     dht = hivemind.DHT(
         initial_peers=initial_peers,
         start=False,
         record_validators=swarm_validators(rules, identity),
         client_mode=client_mode,
-        host_maddrs=list(host_maddrs),
+        host_maddrs=host_maddrs,
         announce_maddrs=announce_maddrs or None,
         identity_path=str(identity.path) if identity.path is not None else None,
         check_if_identity_free=check_identity,
@@ -166,6 +179,11 @@ def start_dht(
         ) from None
     except Exception as e:
         stop_dht(dht)
+        if "address already in use" in str(e).lower():
+            raise NodeStartError(
+                f"--host-maddrs {' '.join(host_maddrs)}: cannot listen, the address is already in use (another "
+                "node on this machine?); choose a free port, or tcp/0 for any"
+            ) from None
         if initial_peers and "bootstrap" in str(e):
             raise NodeStartError(
                 f"none of the --initial-peers answered ({', '.join(initial_peers)}): {e}. "
@@ -173,19 +191,31 @@ def start_dht(
             ) from None
         raise NodeStartError(f"the DHT node failed to start: {e}") from None
     try:
-        cap_subkeys(dht, rules.max_subkeys, timeout=timeout)
+        cap_subkeys(dht, rules.max_subkeys if rules is not None else MAX_SUBKEYS, timeout=timeout)
     except Exception as e:
         stop_dht(dht)
         raise NodeStartError(f"the DHT node did not take its storage limits: {type(e).__name__}: {e}") from None
     return dht
 
 
-def stop_dht(dht: hivemind.DHT) -> None:
-    """Shuts the DHT process (and its p2pd) down; kills what a stuck shutdown leaves behind."""
+def p2pd_of(dht: hivemind.DHT) -> int | None:
+    """The pid of the p2pd daemon a DHT process started, or None."""
+    if dht.pid is None:
+        return None
+    return next((pid for pid in descendants(dht.pid) if command_name(pid) == "p2pd"), None)
+
+
+def stop_dht(dht: hivemind.DHT, p2pd: int | None = None) -> None:
+    """Shuts the DHT process (and its p2pd) down; kills what a stuck shutdown leaves behind. When its ``p2pd`` is
+    known to be gone already (Ctrl-C reaches the whole process group), a graceful shutdown would only wait on it:
+    the DHT process is terminated at once."""
     if dht.pid is None:
         return  # never started
     orphans = descendants(dht.pid)
-    dht.shutdown()
+    if p2pd is not None and not alive(p2pd) and dht.is_alive():
+        dht.terminate()
+    else:
+        dht.shutdown()
     dht.join(timeout=5)
     deadline = time.monotonic() + 2
     while orphans and time.monotonic() < deadline:

@@ -96,7 +96,7 @@ class _RoleCollector:
 class MetricsServer:
     """Serves ``collect()``'s samples at ``http://host:port/metrics`` from a thread until :meth:`stop`."""
 
-    def __init__(self, port: int, collect: Callable[[], Iterable[Sample]], host: str = "0.0.0.0") -> None:
+    def __init__(self, port: int, collect: Callable[[], Iterable[Sample]], host: str = "127.0.0.1") -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_RoleCollector(collect))
         try:
@@ -171,4 +171,4 @@ def serve_metrics(
         found += samples()
         return found + (view_samples(view()) if view is not None else [])
 
-    return MetricsServer(port, collect)
+    return MetricsServer(port, collect, host=context.options.metrics_host)

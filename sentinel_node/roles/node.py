@@ -26,19 +26,22 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import hivemind
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time, get_logger
 
-from dht import Announcement, Announcer, Identity, RecordStore
+from dht import Announcement, Announcer, DHTUnavailable, Identity, RecordStore
 from sentinel_node.config import Config
+from sentinel_node.processes import alive
 from sentinel_node.roles.common import (
     JoinOptions,
     NodeDiedError,
     StopSignals,
     node_identity,
+    p2pd_of,
     peer_ids_of,
     record_store,
     software_version,
@@ -70,10 +73,16 @@ class NodeContext:
     stop: StopSignals
     maddrs: list[str]
     options: JoinOptions
+    p2pd: int | None = None  # the pid of the DHT's daemon
 
     @property
     def peer_id(self) -> str:
         return self.identity.peer_id
+
+    def reachable(self) -> bool:
+        """Whether the DHT and its p2pd still run, so that calls through them can return (a signal sent to the
+        whole process group, Ctrl-C in a terminal, ends p2pd before the node has stopped)."""
+        return self.dht.is_alive() and (self.p2pd is None or alive(self.p2pd))
 
 
 @contextlib.contextmanager
@@ -92,11 +101,27 @@ def started_node(options: JoinOptions, stop_event: threading.Event | None = None
             use_relay=options.use_relay,
             use_auto_relay=options.use_auto_relay,
         )
+        p2pd = p2pd_of(dht)
         try:
             maddrs = [str(maddr) for maddr in dht.get_visible_maddrs()]
-            yield NodeContext(config, identity, dht, record_store(dht, config, identity), stop, maddrs, options)
+            store = record_store(dht, config, identity)
+            if options.initial_peers and not options.config_from_swarm:
+                check_swarm_config(store, options)
+            yield NodeContext(config, identity, dht, store, stop, maddrs, options, p2pd)
         finally:
-            stop_dht(dht)
+            stop_dht(dht, p2pd)
+
+
+def check_swarm_config(store: RecordStore, options: JoinOptions) -> None:
+    """SwarmConfigError when the swarm this node joins publishes another config than the one it was given."""
+    from sentinel_node.swarm_config import describe_where, read_published, resolve
+
+    try:
+        published = read_published(store)
+    except DHTUnavailable:
+        logger.warning("the swarm's published config could not be read in time; not checked against --config")
+        return
+    resolve(published, options.config, describe_where(options.initial_peers), options.config_name)
 
 
 async def wait_for_stop(context: NodeContext, also: Callable[[], bool] = lambda: False) -> None:
@@ -133,6 +158,25 @@ async def bounded(awaitable: Awaitable, seconds: float, what: str) -> None:
         logger.debug(f"{what} failed: {type(e).__name__}: {e}")
 
 
+def _rss_mib() -> float:
+    """This process's resident memory, in MiB (its DHT and p2pd are processes of their own)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0.0
+    return next((int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmRSS:")), 0.0)
+
+
+def _quiet_lost_connections(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """The event loop's handler of errors nobody awaited: a connection to p2pd that was lost (p2pd stopped, e.g.
+    by the Ctrl-C that also stops this node) is one debug line, not a traceback; anything else as usual."""
+    error = context.get("exception")
+    if isinstance(error, (ConnectionError, asyncio.IncompleteReadError, EOFError)):
+        logger.debug(f"a connection to p2pd was lost: {type(error).__name__}: {error}")
+        return
+    loop.default_exception_handler(context)
+
+
 class Node:
     """One role on a started node; :meth:`serve` runs the lifecycle above. Subclasses set :attr:`role` and
     override the hooks they need; every hook has a do-nothing default."""
@@ -140,6 +184,7 @@ class Node:
     role: ClassVar[str]
     serves: ClassVar[bool] = True  # registers handlers and answers reachability checks (a trainer only calls out)
     keeps_view: ClassVar[bool] = True  # refreshes the swarm view in the background (a bootstrap does not need it)
+    announces_joining: ClassVar[bool] = False  # announced as "joining" from before prepare() (a stage syncing)
 
     def __init__(self, context: NodeContext, status_file: str | None = None) -> None:
         self.context, self.config, self.status_file = context, context.config, status_file
@@ -208,6 +253,7 @@ class Node:
             "state": "online",
             "relayed": self.reachability.relayed if self.reachability is not None else False,
             "throughput": 0.0,
+            "name": self.context.options.name,
             "config_hash": self.config.swarm_hash(),
             "version": software_version(),
             "time": get_dht_time(),
@@ -226,25 +272,32 @@ class Node:
                 f"the swarm config admits no {role}: list peer ids in it, name an organiser, or make the role open "
                 "(docs/security.md); until then the pipeline cannot run"
             )
+        asyncio.get_running_loop().set_exception_handler(_quiet_lost_connections)
         metrics = serve_metrics(
             context, self.role, self.samples, view=(lambda: self.views.view) if self.keeps_view else None
         )
         tasks: list[asyncio.Task] = []
         try:
             self.p2p = await context.dht.replicate_p2p()
+            if self.announces_joining:
+                self.announcer = self._announcer(state="joining")
             await self.prepare()
             if self.serves:
                 self.server = TensorServer(self.p2p, self.transport)
                 await self.add_handlers(self.server)
-                self.reachability = await self._check_reachability()
-            swarm = self.config.swarm
-            self.announcer = Announcer(
-                context.store, self.announcement(), swarm.announce_period, swarm.announce_ttl
-            ).start()
+                await serve_reachability(self.server)
+                self.reachability = self.reachability or await self._check_reachability()
+            if self.announcer is None:
+                self.announcer = self._announcer()
+            else:
+                fresh = self.announcement()
+                self.announcer.update(**{k: v for k, v in fresh.dict().items() if k not in ("time", "schema")})
             if self.keeps_view:
                 tasks.append(asyncio.create_task(self.views.run()))
             tasks += [asyncio.create_task(coroutine) for coroutine in self.background()]
             logger.info(self.ready_line())
+            for line in self.describe():
+                logger.info(line)
             on_ready(context.peer_id, context.maddrs)
             try:
                 return await self.main()
@@ -253,13 +306,44 @@ class Node:
         finally:
             if metrics is not None:
                 metrics.stop()
-            if self.p2p is not None:
+            if self.p2p is not None and context.reachable():
                 await bounded(self.p2p.shutdown(), SHUTDOWN_STEP_S, "closing the libp2p handle")
 
+    def _announcer(self, **changes) -> Announcer:
+        swarm = self.config.swarm
+        record = self.announcement()
+        if changes:
+            record = record.replace(**changes)
+        return Announcer(self.context.store, record, swarm.announce_period, swarm.announce_ttl).start()
+
+    def describe(self) -> list[str]:
+        """What the node tells its owner once it serves: what it is, where it can be reached, what it uses.
+        Roles add their own lines (:meth:`describe_details`)."""
+        reach = self.reachability
+        if reach is None or reach.reachable is None:
+            reachable = "not checked"
+        elif reach.reachable:
+            reachable = "reachable by other peers"
+        else:
+            reachable = "NOT reachable by other peers (see the warning above); announced as relayed"
+        name = f" '{self.context.options.name}'" if self.context.options.name else ""
+        config = self.config
+        lines = [
+            f"this node: {self.role}{name} {self.peer_id} in swarm {config.swarm.prefix} "
+            f"(config {config.swarm_hash()}, {self.context.options.config_name})",
+            *self.describe_details(),
+            f"memory in use: {_rss_mib():.0f} MiB resident",
+            "announced addresses: " + (" ".join(self.context.maddrs) or "none"),
+            f"reachability: {reachable}",
+        ]
+        return lines
+
+    def describe_details(self) -> list[str]:
+        """The role's own lines of :meth:`describe` (its stage, device, model, throughput...)."""
+        return []
+
     async def _check_reachability(self) -> Reachability:
-        """Answers other nodes' reachability checks from now on, and checks this node's own with its initial
-        peers."""
-        await serve_reachability(self.server)
+        """Checks this node's reachability with its initial peers."""
         peers = peer_ids_of(self.context.options.initial_peers)
         result = await check_reachability(self.p2p, self.context.maddrs, peers, self.server.settings)
         report(result, self.context.options.use_auto_relay)
@@ -268,12 +352,12 @@ class Node:
     async def _teardown(self, tasks: list[asyncio.Task]) -> None:
         for task in tasks:
             task.cancel()
-        dht_alive = self.context.dht.is_alive()  # else p2pd died with it: nothing to remove or announce
+        dht_alive = self.context.reachable()  # else nothing can be removed or announced through p2pd
         try:
             await self.stopping()
             if self.server is not None and dht_alive:
                 await bounded(self.server.remove_handlers(), SHUTDOWN_STEP_S, "removing the handlers")
-            self.announcer.stop(offline=dht_alive)
+            self.announcer.stop(offline=dht_alive, wait=None if dht_alive else 0.2)
             await self.finish()
             self.write_status()
         finally:

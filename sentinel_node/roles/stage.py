@@ -24,6 +24,13 @@ State: with ``--state-dir`` the replica resumes from its newest checkpoint there
 serves, it downloads the stage's state from a live replica the swarm view names and keeps it when it is ahead of
 its own; it then shares its own state with replicas that join later.
 
+Placement: without ``--stage`` the node reads the swarm view first and takes the stage that needs it most
+(:func:`peers.placement.choose_stage`), announces itself ``joining`` there while it syncs, then serves; every
+``swarm.rebalance_period`` seconds on average (at random, so replicas do not all look at once) it checks whether
+moving to another stage would raise the slowest stage's throughput enough (:func:`peers.placement.plan_move`),
+and if so stops taking work, finishes the global step under way, and serves the other stage (a stage whose last
+replica died gets covered that way). With ``--stage K`` the replica stays on stage K.
+
 Red team: with an :class:`AttackOptions`, the replica corrupts the activations and/or gradients it sends.
 """
 
@@ -31,29 +38,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
-from hivemind.utils import get_logger
+from hivemind.utils import get_dht_time, get_logger
 from hivemind.utils.performance_ema import PerformanceEMA
 
-from dht import StageAnnouncement
-from peers import LivenessBlacklist
+from dht import DHTUnavailable, StageAnnouncement
+from peers import LivenessBlacklist, SwarmWatcher
+from peers.placement import Move, StageChoice, choose_stage, plan_rebalance, stage_loads
 from sentinel_node.attacks import Attacker, AttackError, arm, attack_maker
 from sentinel_node.config import Config
+from sentinel_node.model.stage import layer_range
 from sentinel_node.model.weights import WeightsError
 from sentinel_node.pipeline import StageWorker
-from sentinel_node.pipeline.device import DeviceError
+from sentinel_node.pipeline.device import DeviceError, resolve_device
+from sentinel_node.pipeline.throughput import measure
 from sentinel_node.roles.averaging import ReplicaAverager
 from sentinel_node.roles.calls import call_hop
-from sentinel_node.roles.common import JoinOptions, NodeError
+from sentinel_node.roles.common import JoinOptions, NodeError, software_version
 from sentinel_node.roles.compute import ComputeLane
 from sentinel_node.roles.metrics import Sample
-from sentinel_node.roles.node import Node, NodeContext, periodically, started_node
+from sentinel_node.roles.node import Node, NodeContext, periodically, started_node, wait_for_stop
+from sentinel_node.roles.reachability import Reachability
 from sentinel_node.roles.replica_state import ReplicaState
 from sentinel_node.roles.status import NodeStatus, ReachabilityStatus, StageStatus
 from sentinel_node.roles.views import Gatekeeper, live_trainer, live_verifier
@@ -67,7 +80,15 @@ from sentinel_node.roles.wire import (
     StepReply,
     StepRequest,
 )
-from sentinel_node.transport import Answer, HopMalformed, HopRefused, Incoming, MicrobatchReply, TensorServer
+from sentinel_node.transport import (
+    Answer,
+    HopMalformed,
+    HopRefused,
+    HopUnavailable,
+    Incoming,
+    MicrobatchReply,
+    TensorServer,
+)
 
 logger = get_logger(__name__)
 
@@ -76,6 +97,9 @@ AttackTarget = Literal["activation", "gradient", "both"]
 # Averaging rounds: how long replicas look for each other, and how long a round may take in all.
 AVERAGE_MATCHMAKING_S = 2.0
 AVERAGE_TIMEOUT_S = 15.0
+NETWORK_ALPHA = 0.3  # weight of the latest report period in the served-tokens figure
+# A replica that moves waits at most this long for the global step under way to be applied before it leaves.
+MOVE_DRAIN_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -107,7 +131,7 @@ class AttackOptions:
 
 @dataclass(frozen=True)
 class StageOptions:
-    stage: int
+    stage: int | None = None  # None: chosen from the swarm view, and rebalanced while the node runs
     attack: AttackOptions | None = None
     device: str = "auto"  # CUDA when visible, else the CPU
     status_file: str | None = None
@@ -115,6 +139,18 @@ class StageOptions:
     state_dir: str | None = None  # checkpoints: resume from, and save to, this directory
     checkpoint_every: int = 10  # global steps between checkpoints
     resume_behind: bool = False  # serve a state older than the swarm's step (adopting the swarm's step)
+
+    @property
+    def placed(self) -> bool:
+        """Whether the swarm chooses (and may change) the stage, rather than ``--stage``."""
+        return self.stage is None
+
+    def checkpoints(self, stage: int) -> str | None:
+        """Where stage ``stage``'s checkpoints live: the state dir itself with ``--stage``, else a directory per
+        stage inside it (a placed replica may serve several stages in its life)."""
+        if self.state_dir is None or not self.placed:
+            return self.state_dir
+        return str(Path(self.state_dir) / f"stage{stage}")
 
 
 def run_stage(
@@ -124,44 +160,105 @@ def run_stage(
     *,
     settings: StageOptions,
 ) -> None:
-    """Serves stage ``settings.stage`` until SIGTERM/SIGINT (or ``stop_event``)."""
+    """Serves stage ``settings.stage`` (or the stage the swarm needs most, moving when it needs another more) until
+    SIGTERM/SIGINT (or ``stop_event``)."""
     config = options.config
     n_stages = config.pipeline.n_stages
-    if not 0 <= settings.stage < n_stages:
+    if settings.stage is not None and not 0 <= settings.stage < n_stages:
         raise NodeError(f"--stage {settings.stage} is outside 0..{n_stages - 1} (the config has {n_stages} stages)")
     torch.set_num_threads(1)  # many nodes share a machine's cores; one thread each avoids oversubscription
+    try:
+        resolve_device(settings.device)  # a device this machine lacks fails before anything starts
+        if settings.attack is not None and settings.stage is not None:
+            settings.attack.build(config, settings.stage, config.swarm.seed)
+    except (DeviceError, AttackError) as e:
+        raise NodeError(str(e)) from None
+    with started_node(options, stop_event) as context:
+        choice = _choose(context) if settings.placed else StageChoice(settings.stage, "pinned by --stage")
+        stage, why, reachability = choice.stage, choice.reason, None
+        while True:
+            logger.info(f"serving stage {stage}: {why}")
+            served = _serve(context, settings, stage, on_ready, reachability)
+            if not isinstance(served, StageNode) or served.move is None or context.stop.event.is_set():
+                return
+            stage, why, reachability = served.move.target, served.move.reason, served.reachability
+
+
+def _choose(context: NodeContext) -> StageChoice:
+    """The stage this node should serve, from a fresh view of the swarm, announced at once as ``joining`` so that
+    nodes joining a moment later see it. Nodes started together wait a random moment first, so they do not all
+    read the same view."""
+    config, rng = context.config, random.Random()
+    time.sleep(rng.uniform(0, 2 * config.swarm.announce_period))
+    watcher = SwarmWatcher(context.store, config.pipeline.n_stages, config.swarm.exclusion_policy())
+    view = watcher.view
+    for _ in range(3):
+        try:
+            view = watcher.refresh()
+            break
+        except DHTUnavailable as e:
+            logger.info(f"reading the swarm to choose a stage: {e}; trying again")
+    choice = choose_stage(stage_loads(view, leave_out={context.peer_id}), rng)
+    record = StageAnnouncement(
+        peer_id=context.peer_id,
+        maddrs=context.maddrs,
+        state="joining",
+        relayed=False,
+        throughput=0.0,
+        name=context.options.name,
+        stage=choice.stage,
+        config_hash=config.swarm_hash(),
+        version=software_version(),
+        time=get_dht_time(),
+    )
+    with contextlib.suppress(Exception):  # the node announces itself again in a moment anyway
+        context.store.put(record, ttl=config.swarm.announce_ttl)
+    return choice
+
+
+def _serve(
+    context: NodeContext,
+    settings: StageOptions,
+    stage: int,
+    on_ready: Callable[[str, list[str]], None],
+    reachability: Reachability | None,
+) -> StageNode:
+    """Serves ``stage`` until the node is stopped or decides to move; returns the node (its ``move``, if any)."""
+    config = context.config
     seed = config.swarm.seed
     try:
-        attackers = settings.attack.build(config, settings.stage, seed) if settings.attack else {}
+        attackers = settings.attack.build(config, stage, seed) if settings.attack else {}
     except AttackError as e:
         raise NodeError(str(e)) from None
     try:
-        worker = StageWorker(config.model, config.pipeline, settings.stage, seed=seed, device=settings.device)
+        worker = StageWorker(config.model, config.pipeline, stage, seed=seed, device=settings.device)
     except (DeviceError, WeightsError) as e:
         raise NodeError(str(e)) from None
-    state = ReplicaState(worker, config.swarm_hash(), settings.state_dir, settings.checkpoint_every)
+    state = ReplicaState(worker, config.swarm_hash(), settings.checkpoints(stage), settings.checkpoint_every)
     state.resume()
-    with started_node(options, stop_event) as context:
-        averager = None
-        if settings.average:
-            averager = ReplicaAverager(
-                worker.module,
-                context.dht,
-                prefix=context.store.keys.averager(settings.stage),  # validators know exactly these keys
-                matchmaking_time=AVERAGE_MATCHMAKING_S,
-                timeout=AVERAGE_TIMEOUT_S,
-            )
-        try:
-            asyncio.run(StageNode(context, settings, worker, attackers, averager, state).serve(on_ready))
-        finally:
-            if averager is not None:
-                averager.shutdown()
+    averager = None
+    if settings.average:
+        averager = ReplicaAverager(
+            worker.module,
+            context.dht,
+            prefix=context.store.keys.averager(stage),  # validators know exactly these keys
+            matchmaking_time=AVERAGE_MATCHMAKING_S,
+            timeout=AVERAGE_TIMEOUT_S,
+        )
+    node = StageNode(context, settings, worker, attackers, averager, state, reachability)
+    try:
+        asyncio.run(node.serve(on_ready))
+    finally:
+        if averager is not None:
+            averager.shutdown()
+    return node
 
 
 class StageNode(Node):
     """The serving side of one stage replica."""
 
     role = "stage"
+    announces_joining = True  # while it syncs the stage's state
 
     def __init__(
         self,
@@ -171,10 +268,12 @@ class StageNode(Node):
         attackers: dict[str, Attacker],
         averager: ReplicaAverager | None,
         state: ReplicaState,
+        reachability: Reachability | None = None,
     ) -> None:
         super().__init__(context, settings.status_file)
         self.settings, self.worker = settings, worker
-        self.stage = settings.stage
+        self.stage = worker.stage
+        self.reachability = reachability  # known from the stage it served before a move: not checked again
         self.n_stages = self.config.pipeline.n_stages
         self.attackers = attackers
         self.averager = averager
@@ -197,14 +296,27 @@ class StageNode(Node):
         self._averaged: list[torch.Tensor] | None = None  # the snapshot of a finished round, until applied
         self._cpu_s = 0.0  # CPU time of this replica's torch work (its compute lane's thread)
         self._reported = (0, 0.0)  # microbatches and CPU time at the last throughput report
-        # tokens per CPU second of compute, what trainers weigh routes by
+        # tokens per CPU second of compute, what trainers weigh routes by and placement sums per stage
         self.throughput = PerformanceEMA(alpha=0.3, paused=True)
+        self.network = 0.0  # tokens per wall second actually served, an average over report periods (idle ones too)
+        self.measured_cached = False
         self.forward_cpu_s = 0.0  # of training forwards alone: what a verifier's check is weighed against
         self.forwards = 0
+        self._reported_at = time.monotonic()
+        self.move: Move | None = None  # set when the replica decided to serve another stage
+        self.leaving = False  # it takes no new microbatch: it is about to move
+        self.in_flight = 0
 
     # --- lifecycle hooks
 
     async def prepare(self) -> None:
+        # measured first: the figure goes into the joining announcement other nodes place themselves by
+        shape = (self.shapes.batch, self.shapes.seq_len, self.shapes.vocab, self.shapes.hidden)
+        measured = await self.lane.run(measure, self.worker, self.config.swarm_hash(), shape, self.settings.state_dir)
+        self.measured_cached = measured.cached
+        tokens = self.shapes.tokens_per_microbatch
+        self.throughput.update(tokens, interval=tokens / measured.tokens_per_s)
+        self.announcer.update(throughput=float(self.throughput.samples_per_second))
         if self.averager is not None:
             await self.state.sync(self._other_replicas, self.averager, self.lane)
             self.last_step = self.state.step
@@ -212,8 +324,6 @@ class StageNode(Node):
         if self.averager is not None:
             self.averager.share_state(self.state.current)
             self.views.listeners.append(lambda view: self.averager.set_excluded(view.excluded))
-        tokens, cpu_s = await self.lane.run(self._benchmark)
-        self.throughput.update(tokens, interval=cpu_s)
 
     async def add_handlers(self, server: TensorServer) -> None:
         if self.worker.is_first:
@@ -231,16 +341,47 @@ class StageNode(Node):
         return self.announced(
             StageAnnouncement,
             throughput=float(self.throughput.samples_per_second),
+            network=float(self.network),
             stage=self.stage,
             last_step=self.last_step,
         )
 
     def background(self):
-        return [periodically(self.config.swarm.announce_period, self._report)]
+        tasks = [periodically(self.config.swarm.announce_period, self._report)]
+        if self.settings.placed and self.config.swarm.rebalance_period > 0:
+            tasks.append(self._rebalance())
+        return tasks
 
     def ready_line(self) -> str:
         kind = "red-team replica" if self.attackers else "replica"
         return f"stage {self.stage} {kind} {self.peer_id} serving swarm {self.config.swarm.prefix}"
+
+    def describe_details(self) -> list[str]:
+        model, worker = self.config.model, self.worker
+        layers = layer_range(model.n_layers, self.stage, self.n_stages)
+        params = sum(p.numel() for p in worker.module.parameters())
+        extra = (" + embedding" if worker.is_first else "") + (" + head and loss" if worker.is_last else "")
+        memory = ""
+        if worker.device.type == "cuda":
+            memory = f", {torch.cuda.memory_allocated(worker.device) / 2**20:.0f} MiB on the GPU"
+        source = "cached for this host" if self.measured_cached else "measured now"
+        return [
+            f"stage {self.stage} of {self.n_stages}: layers {layers.start}-{layers.stop - 1}{extra}, "
+            f"{params / 1e6:.2f}M parameters (model: {model.n_layers} layers x {model.hidden_size} wide)",
+            f"device: {worker.device} ({worker.precision.name}, optimizer {worker.optimizer_name}){memory}",
+            f"compute throughput: {self.throughput.samples_per_second:,.0f} tokens/s ({source})",
+            "placement: " + ("chosen by the swarm, rebalanced" if self.settings.placed else "pinned by --stage"),
+        ]
+
+    async def main(self) -> Move | None:
+        """Serves until asked to stop, or until it decided to move (then it drains first)."""
+        await wait_for_stop(self.context, also=lambda: self.move is not None)
+        if self.move is None:
+            received = self.context.stop.received
+            logger.info(f"{received.name if received else 'asked to stop'}: shutting down")
+            return None
+        await self._drain()
+        return self.move
 
     async def stopping(self) -> None:
         if self.averaging is not None:
@@ -295,38 +436,25 @@ class StageNode(Node):
 
     def _report(self) -> None:
         """Announces tokens per CPU second of this replica's compute (what trainers weigh routes by), followed as
-        an average over report periods with some work in them, and its last step."""
+        an average over report periods with some work in them; the tokens per second it served (its network
+        figure: compute, waiting on peers and idle time together); and its last step."""
         done = self.stats["served"] + self.stats["evaluated"] + self.stats["dropped"]
         microbatches, cpu_s = done - self._reported[0], self._cpu_s - self._reported[1]
+        now = time.monotonic()
+        wall_s, self._reported_at = now - self._reported_at, now
+        if wall_s > 0:  # PerformanceEMA takes no empty period, and an idle period must pull this figure down
+            rate = max(microbatches, 0) * self.shapes.tokens_per_microbatch / wall_s
+            self.network = NETWORK_ALPHA * rate + (1 - NETWORK_ALPHA) * self.network
         if microbatches >= 2 and cpu_s > 0:
             self.throughput.update(microbatches * self.shapes.tokens_per_microbatch, interval=cpu_s)
-            self._reported = (done, self._cpu_s)
-            self.announcer.update(throughput=float(self.throughput.samples_per_second))
+        self._reported = (done, self._cpu_s)
+        self.announcer.update(throughput=float(self.throughput.samples_per_second), network=float(self.network))
         if self.announcer.record.last_step != self.last_step:
             self.announcer.update(last_step=self.last_step)
         problem = None if self.state.problem is None else self.state.problem[:256]
         if self.announcer.record.checkpoint_problem != problem:
             self.announcer.update(checkpoint_problem=problem)
         self.write_status()
-
-    def _benchmark(self, rounds: int = 3) -> tuple[int, float]:
-        """(tokens, CPU seconds) of forward and backward on random microbatches, the first (warm-up) not counted:
-        a replica starts with a fair share of traffic instead of the share its slow first microbatch would earn."""
-        shape = (self.shapes.batch, self.shapes.seq_len)
-        inputs = (
-            torch.randint(0, self.shapes.vocab, shape)
-            if self.worker.is_first
-            else torch.randn(*shape, self.shapes.hidden)
-        )
-        module, timed = self.worker.module, 0.0
-        for index in range(rounds + 1):
-            started = time.thread_time()
-            output = module(inputs)
-            output.float().square().mean().backward()
-            if index:
-                timed += time.thread_time() - started
-        module.zero_grad(set_to_none=True)
-        return rounds * self.shapes.tokens_per_microbatch, max(timed, 1e-6)
 
     def status(self) -> StageStatus:
         reach = self.reachability
@@ -371,6 +499,8 @@ class StageNode(Node):
             )
 
     def _authorize(self, caller: str, metadata: PipelineRequest) -> None:
+        if self.leaving and metadata.train:
+            raise HopUnavailable(f"this replica of stage {self.stage} is moving to another stage; try another")
         if not self.worker.is_last:
             if not metadata.route:
                 raise HopRefused(f"stage {self.stage} is not the last stage: the route must name the next hop")
@@ -402,6 +532,13 @@ class StageNode(Node):
     # --- microbatches
 
     async def _forward(self, incoming: Incoming[PipelineRequest]) -> Answer:
+        self.in_flight += 1
+        try:
+            return await self._forward_one(incoming)
+        finally:
+            self.in_flight -= 1
+
+    async def _forward_one(self, incoming: Incoming[PipelineRequest]) -> Answer:
         meta = incoming.metadata
         inputs, targets = incoming.tensors
         if (
@@ -580,3 +717,38 @@ class StageNode(Node):
             logger.warning(f"stage {self.stage}: averaging at step {step} failed: {type(e).__name__}: {e}")
         finally:
             self.averaging = None
+
+    # --- placement
+
+    def _costs(self) -> list[float]:
+        """Each stage's relative cost per token: its layer count."""
+        model = self.config.model
+        return [float(len(layer_range(model.n_layers, k, self.n_stages))) for k in range(self.n_stages)]
+
+    async def _rebalance(self) -> None:
+        """At random intervals around ``swarm.rebalance_period``, checks whether this replica should serve another
+        stage; sets :attr:`move` (which ends :meth:`main`) when it should."""
+        swarm, rng = self.config.swarm, random.Random()
+        while self.move is None:
+            await asyncio.sleep(rng.uniform(0.5, 1.5) * swarm.rebalance_period)
+            if self.leaving:
+                return
+            view = await self.views.refresh(force=True)
+            # as the view counts it (its announced throughput): not in it yet, plan_rebalance gives None
+            move = plan_rebalance(view, self.peer_id, swarm.balance_quality, self._costs())
+            if move is not None:
+                logger.info(f"stage {self.stage}: {move.reason}; moving")
+                self.move = move
+
+    async def _drain(self, timeout: float = MOVE_DRAIN_S) -> None:
+        """Before a move: takes no new training microbatch, lets those in flight finish and waits for the step
+        they belong to (so their gradients are applied here, not lost), then returns."""
+        self.leaving = True
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and (self.in_flight or self.worker.accumulated):
+            await asyncio.sleep(0.1)
+        if self.worker.accumulated:
+            logger.warning(
+                f"stage {self.stage}: no step call came within {timeout:.0f}s; leaving "
+                f"{self.worker.accumulated} microbatches' gradients unapplied"
+            )

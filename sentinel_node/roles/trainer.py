@@ -241,6 +241,7 @@ class TrainerNode(Node):
         self._started = time.monotonic()
         self._last_log: StepLog | None = None
         self._summary: TrainerSummary | None = None
+        self._no_route_said = 0.0
 
     # --- lifecycle hooks
 
@@ -249,6 +250,14 @@ class TrainerNode(Node):
 
     def ready_line(self) -> str:
         return f"trainer {self.peer_id} joined swarm {self.config.swarm.prefix}"
+
+    def describe_details(self) -> list[str]:
+        pipe, data = self.config.pipeline, self.config.data
+        steps = f"{self.settings.steps} global steps" if self.settings.steps else "global steps until stopped"
+        return [
+            f"trains {steps} of {pipe.microbatches_per_step} microbatches x {pipe.microbatch_size} x {pipe.seq_len} "
+            f"tokens on {data.path or 'the embedded corpus'}, validating every {self.settings.eval_every} steps"
+        ]
 
     async def main(self) -> TrainerSummary:
         """Trains until done, or until asked to stop (abandoning the microbatches in flight)."""
@@ -350,7 +359,12 @@ class TrainerNode(Node):
         every = self.settings.eval_every
         if (every and self.step % every == 0) or self.step == self.first_step + self.settings.steps:
             val_loss = await self._validate(self.step)
-        self.announcer.update(global_step=self.step, loss=loss, throughput=tokens / elapsed)
+        self.announcer.update(
+            global_step=self.step,
+            loss=loss,
+            val_loss=self.val_curve[-1][1] if self.val_curve else None,
+            throughput=tokens / elapsed,
+        )
         view = self.views.view
         log = StepLog(
             step=step,
@@ -389,13 +403,20 @@ class TrainerNode(Node):
         avoid: set[str] = set()
         mode = self.settings.routing.at(step)
         copies = mode.copies if train else 1
+        # Attempts that failed only because a peer did not answer (it died, and the swarm's view still names it
+        # until its record expires) are not counted against max_attempts until wait_for_swarm has passed: the
+        # route is tried again once the view catches up, or once a replica has moved to cover the stage.
+        patience = time.monotonic() + self.settings.wait_for_swarm
         try:
             async with self.inflight:
-                for attempt in range(self.settings.max_attempts):
-                    if attempt and train:
+                attempt, tries = 0, 0
+                while attempt < self.settings.max_attempts:
+                    if tries and train:
                         self.accounting.retried += 1
-                    routes = await self._routes(avoid, copies, mode.barred(self.views.view))
+                    tries += 1
+                    routes = await self._routes_when_there_are(avoid, copies, mode, patience)
                     if routes is None:
+                        attempt += 1
                         continue
                     calls = [
                         self._send(
@@ -406,7 +427,10 @@ class TrainerNode(Node):
                     results = await asyncio.gather(*calls, return_exceptions=True)
                     errors = [r for r in results if isinstance(r, BaseException)]
                     if errors:
-                        await self._after_failure(name, attempt, errors, avoid, routes)
+                        await self._after_failure(name, tries - 1, errors, avoid, routes)
+                        unanswered = all(isinstance(e, HopError) and e.cause.unresponsive for e in errors)
+                        if not unanswered or time.monotonic() > patience:
+                            attempt += 1
                         continue
                     for hops in routes:
                         for a, b in zip(hops, hops[1:], strict=False):
@@ -481,32 +505,51 @@ class TrainerNode(Node):
                 seconds = self.apart.register_refusal(refuser, neighbour)
                 logger.info(f"keeping {refuser} and {neighbour} apart on routes for {seconds:.0f}s (a refusal)")
 
-    async def _routes(self, avoid: set[str], copies: int, barred: set[str]) -> list[list[Hop]] | None:
+    async def _routes_when_there_are(
+        self, avoid: set[str], copies: int, mode, patience: float
+    ) -> list[list[Hop]] | None:
+        """Routes for a microbatch, waiting (until ``patience``) while some stage or boundary has nobody to serve
+        it that is not suspended for failing to answer: a stage whose last replica died is covered again by a
+        replica that moves there, and the microbatch should wait for it rather than use up its attempts on the
+        dead peer and count as failed."""
+        while True:
+            patient = time.monotonic() < patience
+            routes = await self._routes(avoid, copies, mode.barred(self.views.view), patient)
+            if routes is not None or not patient:
+                return routes
+
+    async def _routes(
+        self, avoid: set[str], copies: int, barred: set[str], patient: bool = False
+    ) -> list[list[Hop]] | None:
         """``copies`` routes, never through ``barred`` verifiers; duplicates go through other replicas than the first
         copy where the swarm has them."""
         routes: list[list[Hop]] = []
         taken: set[str] = set()
         for _ in range(copies):
-            hops = await self._route(avoid | taken, barred)
+            hops = await self._route(avoid | taken, barred, patient)
             if hops is None:
                 return None
             routes.append(hops)
             taken |= {hop.peer_id for hop in hops if hop.boundary is None}
         return routes
 
-    async def _route(self, avoid: set[str], barred: set[str]) -> list[Hop] | None:
+    async def _route(self, avoid: set[str], barred: set[str], patient: bool = False) -> list[Hop] | None:
         """The hops of a new route avoiding ``avoid`` if possible and ``barred`` always; None (after a pause) if the
-        swarm has none."""
+        swarm has none. A ``patient`` caller gets None rather than a route through a peer suspended for not
+        answering."""
         view = self.views.view
         avoid = avoid | barred
         try:
             try:
                 route = choose_route(view, self.route_rng, self.blacklist, avoid, apart=self.apart.apart)
             except NoRouteError:
-                # better a peer that failed this microbatch once than none at all
-                route = choose_route(view, self.route_rng, None, barred)
+                # better a peer that failed this microbatch once than none at all (but a suspended one only when
+                # there is no time left to wait for the view to change)
+                route = choose_route(view, self.route_rng, self.blacklist if patient else None, barred)
         except NoRouteError as e:
-            logger.warning(f"no route through the swarm: {e}; waiting for peers")
+            if time.monotonic() - self._no_route_said > 10.0:  # once per stretch, not once per microbatch
+                self._no_route_said = time.monotonic()
+                logger.warning(f"no route through the swarm: {e}; waiting for peers")
             await asyncio.sleep(1.0)
             await self.views.refresh(force=True)
             return None

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 from hivemind.utils import get_dht_time, get_logger
+from hivemind.utils.performance_ema import PerformanceEMA
 
 from dht import RecordError, RecordStore, RoleCertificate, StrikeRecord, VerifierAnnouncement
 from peers import LivenessBlacklist
@@ -41,7 +42,7 @@ from sentinel_node.roles.calls import call_hop
 from sentinel_node.roles.common import JoinOptions, NodeError, software_version
 from sentinel_node.roles.compute import ComputeLane
 from sentinel_node.roles.metrics import Sample
-from sentinel_node.roles.node import Node, NodeContext, started_node
+from sentinel_node.roles.node import Node, NodeContext, periodically, started_node
 from sentinel_node.roles.status import NodeStatus, ReachabilityStatus, SenderCounts, VerifierStatus
 from sentinel_node.roles.views import Gatekeeper, live_replica, stage_of
 from sentinel_node.roles.wire import STAGE_FORWARD, VERIFIER_RELAY, PipelineRequest, Shapes
@@ -222,8 +223,39 @@ class VerifierNode(Node):
         self.publisher = StrikePublisher(context.store, self.config.swarm.strike_ttl)
         self._published: dict[str, tuple[int, int, bool]] = {}
         self._strikes_given: dict[str, int] = {}  # each sender's strike count after its last check
+        self.capacity = PerformanceEMA(alpha=0.3, paused=True)  # checks per CPU second it sustains
+        self._reported = (0, 0.0)  # checks and CPU seconds at the last report
 
     # --- lifecycle hooks
+
+    async def prepare(self) -> None:
+        if self.checker.enabled:
+            checks, cpu_s = await self.lane.run(self._benchmark)
+            self.capacity.update(checks, interval=cpu_s)
+
+    def _benchmark(self, checks: int = 8) -> tuple[int, float]:
+        """(checks, CPU seconds) of checking random activations on a scratch verifier of the same config: what this
+        machine sustains, announced before any real traffic (the real monitors never see these tensors)."""
+        scratch = BoundaryVerifier(
+            self.config.verification, [0], self.shapes.hidden, self.shapes.activation, self.config.swarm.seed
+        )
+        started = time.thread_time()
+        for index in range(checks):
+            scratch.check(0, "activation", torch.randn(self.shapes.activation), f"benchmark{index % 2}", False)
+        return checks, max(time.thread_time() - started, 1e-6)
+
+    def background(self):
+        return [periodically(self.config.swarm.announce_period, self._report)]
+
+    def _report(self) -> None:
+        """Announces the checks per CPU second this verifier sustains, followed over periods with traffic."""
+        checks = sum(self.stats.checks.values())
+        done, cpu_s = checks - self._reported[0], self.stats.cpu_s - self._reported[1]
+        if done >= 2 and cpu_s > 0:
+            self.capacity.update(done, interval=cpu_s)
+            self._reported = (checks, self.stats.cpu_s)
+        self.announcer.update(throughput=float(self.capacity.samples_per_second))
+        self.write_status()
 
     async def add_handlers(self, server: TensorServer) -> None:
         # Tensors reach the handler unchecked (no expect, NaN allowed) so the verification core sees every
@@ -239,7 +271,20 @@ class VerifierNode(Node):
         )
 
     def announcement(self) -> VerifierAnnouncement:
-        return self.announced(VerifierAnnouncement, boundaries=list(self.boundaries), certificate=self.certificate)
+        return self.announced(
+            VerifierAnnouncement,
+            boundaries=list(self.boundaries),
+            throughput=float(self.capacity.samples_per_second),
+            certificate=self.certificate,
+        )
+
+    def describe_details(self) -> list[str]:
+        mode = "checking" if self.checker.enabled else "relaying without checks"
+        names = ", ".join(f"{b}|{b + 1}" for b in self.boundaries)
+        return [
+            f"verifier on boundaries {names}, {mode}; device: cpu",
+            f"check throughput: {self.capacity.samples_per_second:,.0f} checks/s (measured now)",
+        ]
 
     def ready_line(self) -> str:
         mode = "verifying" if self.checker.enabled else "relaying without checks"
@@ -410,6 +455,11 @@ class VerifierNode(Node):
         metrics = {
             name: max(-1e12, min(1e12, float(value))) for name, value in verdict.scores.items() if math.isfinite(value)
         }
+        thresholds = {
+            name: max(-1e12, min(1e12, float(value)))
+            for name, value in verdict.thresholds.items()
+            if math.isfinite(value)
+        }
         self.publisher.submit(
             StrikeRecord(
                 verifier=self.peer_id,
@@ -420,6 +470,7 @@ class VerifierNode(Node):
                 checks=record.checks,
                 flags=record.flags,
                 metrics=metrics,
+                thresholds=thresholds,
                 banned=record.banned,
                 certificate=self.certificate,
                 config_hash=self.config.swarm_hash(),

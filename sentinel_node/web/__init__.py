@@ -1,0 +1,1 @@
+"""The live status page of a swarm (``sentinel-node swarm serve``)."""
