@@ -36,6 +36,7 @@ from dht import Announcer, RecordError, RecordStore, StrikeRecord, VerifierAnnou
 from peers import LivenessBlacklist
 from sentinel_node.config import Config
 from sentinel_node.pipeline import BoundaryVerifier
+from sentinel_node.pipeline.device import DeviceError, resolve_device
 from sentinel_node.roles.common import JoinOptions, NodeError, software_version
 from sentinel_node.roles.metrics import Sample, serve_metrics
 from sentinel_node.roles.runtime import (
@@ -82,6 +83,7 @@ class VerifierOptions:
     boundaries: tuple[int, ...] = ()  # empty: every boundary of the config
     verify: bool = True  # False: a plain relay (overhead measurements, undefended runs)
     status_file: str | None = None
+    device: str = "cpu"  # where the statistics are computed: cpu, cuda or cuda:N
 
 
 @dataclass
@@ -135,7 +137,7 @@ def run_verifier(
     *,
     settings: VerifierOptions = VerifierOptions(),
 ) -> None:
-    """Serves until SIGTERM/SIGINT (or ``stop_event``); runs on a CPU."""
+    """Serves until SIGTERM/SIGINT (or ``stop_event``); checks on the CPU unless ``settings.device`` names a GPU."""
     config = options.config
     n_boundaries = config.pipeline.n_stages - 1
     boundaries = tuple(sorted(set(settings.boundaries))) or tuple(range(n_boundaries))
@@ -145,11 +147,24 @@ def run_verifier(
             f"--boundaries {outside} are outside 0..{n_boundaries - 1}: boundary b sits between stage b and b+1 "
             f"of the config's {config.pipeline.n_stages} stages"
         )
+    try:
+        device = resolve_device(settings.device)
+    except DeviceError as e:
+        raise NodeError(str(e)) from None
     torch.set_num_threads(1)
     shapes = Shapes.of(config)
     checker = BoundaryVerifier(
-        config.verification, boundaries, shapes.hidden, shapes.activation, config.swarm.seed, enabled=settings.verify
+        config.verification,
+        boundaries,
+        shapes.hidden,
+        shapes.activation,
+        config.swarm.seed,
+        enabled=settings.verify,
+        dtype=shapes.dtype,
+        device=device,
     )
+    if device.type != "cpu":
+        logger.info(f"verifier statistics on {device}")
     with pipeline_node(options, stop_event) as context:
         asyncio.run(VerifierNode(context, settings, boundaries, checker).serve(on_ready))
 
