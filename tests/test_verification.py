@@ -624,10 +624,11 @@ def test_two_monitors_with_one_seed_compute_the_same_profile_whatever_the_global
 def test_the_profile_reads_like_its_definition(streams):
     """Clipped rows corrected on their own, moments from one scan: the statistics of the clipped, scale-free rows."""
     s = settings("gradient")
-    tensor = streams.gradients[11]
+    tensor = streams.gradients[11].clone()
+    tensor[0, :3] *= 20  # three tokens of surprising text
     rows = tensor.reshape(-1, HIDDEN).double()
     norms = rows.norm(dim=1, keepdim=True)
-    assert (norms > s.row_clip * norms.median()).any()  # honest gradients: some tokens are clipped
+    assert (norms > s.row_clip * norms.median()).sum() >= 3
     rows = rows * (s.row_clip * norms.median() / norms).clamp(max=1.0)
     rows = rows / rows.square().mean().sqrt()
     profile = make_profiler()(tensor)

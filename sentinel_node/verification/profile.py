@@ -84,7 +84,7 @@ class Profiler:
         seed: int,
         row_clip: float,
         *,
-        oversample: int = 4,
+        oversample: int = 8,
         power_iterations: int = 1,
         device: str | torch.device = "cpu",
     ):
