@@ -17,7 +17,7 @@ ROW_FIELDS = {
     "dtype",
     "mib",
     "check_ms",
-    "check_cpu_ms",
+    "check_wall_ms",
     "ms_per_mib",
     "mib_per_s",
     "copy_ms",
@@ -28,13 +28,7 @@ ROW_FIELDS = {
     "flagged",
     "checks",
 }
-STAGES = {
-    "scan: norms, moments, projections",
-    "clipping, quantiles",
-    "range finder passes",
-    "range finder: top energy",
-    REST,
-}
+STAGES = {"scan", "clip, quantiles", "power iteration", "range, energy", REST}
 
 
 def run(*args: str) -> str:
@@ -47,6 +41,7 @@ def run(*args: str) -> str:
 def test_json_has_every_field(wire_dtype):
     report = json.loads(run("--repeats", "3", "--json", "--wire-dtype", wire_dtype))
     assert report["device"] == "cpu" and report["threads"] == 1 and report["wire_dtype"] == wire_dtype
+    assert report["clock"] == "cpu"
     assert report["spectral"] == {"rank": 4, "oversample": 8, "power_iterations": 1}
     assert set(report["goal"]) == {"share_of_1gbit", "linearity"} and set(report["linearity"]) == set(DIRECTIONS)
     assert isinstance(report["meets_goal"], bool) and report["worst_share_of_1gbit"] > 0
@@ -59,7 +54,7 @@ def test_json_has_every_field(wire_dtype):
         assert set(row) == ROW_FIELDS, set(row) ^ ROW_FIELDS
         assert row["dtype"] == wire_dtype and row["checks"] == 3
         assert row["mib"] == pytest.approx(element * 2 * row["shape"][1] * row["shape"][2] / 2**20)
-        assert row["check_ms"] > 0 and row["copy_ms"] > 0 and row["check_cpu_ms"] >= 0
+        assert row["check_ms"] > 0 and row["copy_ms"] > 0 and row["check_wall_ms"] > 0
         assert row["ratio_to_copy"] == pytest.approx(row["check_ms"] / row["copy_ms"])
         assert row["mib_per_s"] == pytest.approx(row["mib"] / row["check_ms"] * 1000)
         # 1 Gbit/s moves 10x the bytes of 100 Mbit/s in the same time
@@ -70,7 +65,7 @@ def test_json_has_every_field(wire_dtype):
 
 def test_table_and_a_device_that_is_not_there(monkeypatch):
     text = run("--repeats", "3")
-    assert "ms/check" in text and "x copy" in text and "% of 1Gb/s" in text and "ms per stage" in text
+    assert "CPU ms" in text and "x copy" in text and "% of 1Gb/s" in text and "ms per stage" in text
     assert "2x32x64" in text and "goal:" in text
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     result = CliRunner().invoke(main, ["bench", "verifier", "--device", "cuda", "--shape", "2,16,32"])

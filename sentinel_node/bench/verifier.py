@@ -40,7 +40,7 @@ DIRECTIONS = ("activation", "gradient")
 LINKS_BITS_PER_S = {"100mbit": 100e6, "1gbit": 1e9}
 GOAL_SHARE_OF_1GBIT = 0.10  # a check takes at most this share of the tensor's transfer time at 1 Gbit/s
 GOAL_LINEARITY = 2.0  # the cost per MiB varies by at most this factor from the smallest shape to the largest
-REST = "metrics, thresholds, verdict"  # what a check spends beyond its profile
+REST = "metrics, verdict"  # what a check spends beyond its profile: distances, thresholds, drift, strikes
 
 
 @dataclass(frozen=True)
@@ -88,21 +88,22 @@ def _bench_one(
     for index in range(monitor_settings.warmup + settings.warmup_checks):
         monitor.check(tensors[index % len(tensors)], "bench")
 
-    sync = _synchronizer(device)
-    wall, cpu, flagged = [], [], 0
+    clock = Timer(device, settings.threads)
+    source = tensors[0].to(device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    checks, walls, copies, flagged = [], [], [], 0
     for index in range(settings.repeats):
-        tensor = tensors[index % len(tensors)]
-        sync()
-        started, started_cpu = time.perf_counter(), time.process_time()
-        verdict = monitor.check(tensor, "bench")
-        sync()
-        wall.append(time.perf_counter() - started)
-        cpu.append(time.process_time() - started_cpu)
+        # a copy next to each check: both see the same load, and the ratio is taken side by side
+        copies.append(clock.time(lambda: target.copy_(source))[0])
+        wall = time.perf_counter()
+        elapsed, verdict = clock.time(lambda i=index: monitor.check(tensors[i % len(tensors)], "bench"))
+        walls.append(time.perf_counter() - wall)
+        checks.append(elapsed)
         flagged += int(verdict.flagged)
+    stages = _stage_times(monitor.profiler, tensors, settings.repeats, clock)
 
-    stages = _stage_times(monitor.profiler, tensors, settings.repeats, sync)
-    copy_ms = _copy_ms(tensors[0].to(device), settings.repeats, sync)
-    check_ms = 1000 * statistics.median(wall)
+    check_ms, copy_ms = 1000 * statistics.median(checks), 1000 * statistics.median(copies)
     nbytes = tensors[0].numel() * tensors[0].element_size()
     mib = nbytes / 2**20
     stages[REST] = max(check_ms - sum(stages.values()), 0.0)
@@ -113,7 +114,7 @@ def _bench_one(
         "dtype": settings.wire_dtype,
         "mib": mib,
         "check_ms": check_ms,
-        "check_cpu_ms": None if device.type == "cuda" else 1000 * statistics.median(cpu),
+        "check_wall_ms": 1000 * statistics.median(walls),
         "ms_per_mib": check_ms / mib,
         "mib_per_s": mib / (check_ms / 1000),
         "copy_ms": copy_ms,
@@ -125,8 +126,35 @@ def _bench_one(
         "checks": settings.repeats,
     }
     if device.type == "cuda":
-        row["host_to_device_ms"] = _host_to_device_ms(tensors[0], device, settings.repeats, sync)
+        host = tensors[0]
+        row["host_to_device_ms"] = 1000 * statistics.median(
+            clock.time(lambda: target.copy_(host))[0] for _ in range(settings.repeats)
+        )
     return row
+
+
+class Timer:
+    """Times a call: in CPU time on a CPU (the machine's load barely moves it; a check runs in this thread when
+    torch has one), in wall time with the device synchronized on a GPU."""
+
+    def __init__(self, device: torch.device, threads: int) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.kind = "wall" if self.cuda else "cpu"
+        self._now = time.perf_counter if self.cuda else time.thread_time if threads == 1 else time.process_time
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def now(self) -> float:
+        self.sync()
+        return self._now()
+
+    def time(self, fn: Callable[[], object]) -> tuple[float, object]:
+        started = self.now()
+        result = fn()
+        return self.now() - started, result
 
 
 def synthetic_tensor(shape: Sequence[int], direction: str, generator: torch.Generator) -> torch.Tensor:
@@ -149,64 +177,28 @@ def synthetic_tensor(shape: Sequence[int], direction: str, generator: torch.Gene
     return (values * token_scale).reshape(batch, tokens, hidden)
 
 
-def _synchronizer(device: torch.device) -> Callable[[], None]:
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
-
-
-def _stage_times(
-    profiler: Profiler, tensors: list[torch.Tensor], repeats: int, sync: Callable[[], None]
-) -> dict[str, float]:
+def _stage_times(profiler: Profiler, tensors: list[torch.Tensor], repeats: int, clock: Timer) -> dict[str, float]:
     """Median milliseconds of each stage of a profile (the scan included), a stage's laps in one check summed."""
     laps: dict[str, list[float]] = {}
     for index in range(repeats):
-        clock = _StageClock(sync)
-        profiler.profile(profiler.scan(tensors[index % len(tensors)]), clock)
-        for stage, ms in clock.laps.items():
+        stages = _StageClock(clock)
+        profiler.profile(profiler.scan(tensors[index % len(tensors)]), stages)
+        for stage, ms in stages.laps.items():
             laps.setdefault(stage, []).append(ms)
     return {stage: statistics.median(times) for stage, times in laps.items()}
 
 
 class _StageClock:
-    """Milliseconds per stage of one profile (a stage ticked twice is summed), synchronizing the device."""
+    """Milliseconds per stage of one profile (a stage ticked twice is summed)."""
 
-    def __init__(self, sync: Callable[[], None]) -> None:
-        self.sync, self.laps = sync, {}
-        sync()
-        self.last = time.perf_counter()
+    def __init__(self, clock: Timer) -> None:
+        self.clock, self.laps = clock, {}
+        self.last = clock.now()
 
     def __call__(self, stage: str) -> None:
-        self.sync()
-        now = time.perf_counter()
+        now = self.clock.now()
         self.laps[stage] = self.laps.get(stage, 0.0) + 1000 * (now - self.last)
         self.last = now
-
-
-def _copy_ms(tensor: torch.Tensor, repeats: int, sync: Callable[[], None]) -> float:
-    """One memory copy of the tensor into a buffer already allocated on the same device: the floor of a check."""
-    target = torch.empty_like(tensor)
-    target.copy_(tensor)
-    times = []
-    for _ in range(max(repeats, 5)):
-        sync()
-        started = time.perf_counter()
-        target.copy_(tensor)
-        sync()
-        times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times)
-
-
-def _host_to_device_ms(tensor: torch.Tensor, device: torch.device, repeats: int, sync: Callable[[], None]) -> float:
-    target = torch.empty_like(tensor, device=device)
-    times = []
-    for _ in range(max(repeats, 5)):
-        sync()
-        started = time.perf_counter()
-        target.copy_(tensor)
-        sync()
-        times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times)
 
 
 def _report(config: Config, settings: VerifierBenchSettings, device: torch.device, rows: list[dict]) -> dict:
@@ -217,6 +209,7 @@ def _report(config: Config, settings: VerifierBenchSettings, device: torch.devic
     worst_share = max(row["share_of_1gbit"] for row in rows) if rows else None
     verification = config.verification
     return {
+        "clock": "wall" if device.type == "cuda" else "cpu",
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": settings.threads,
@@ -244,35 +237,43 @@ def _shape_name(shape: Sequence[int]) -> str:
     return "x".join(str(s) for s in shape)
 
 
+STAGE_LEGEND = {
+    "scan": "one pass over the rows: row norms, channel sums of squares and absolute values, projections",
+    "clip, quantiles": "row clipping corrected on the clipped rows, quantiles of the projections",
+    "power iteration": "the range finder's power iterations (two products of the tensor each)",
+    "range, energy": "the last product (B = Q^T W A, and the column sums) and B's top energies",
+    REST: "the distances to the baseline, thresholds, drift and shift tests, strikes, EMA update",
+}
+
+
 def table(report: dict) -> str:
     """The report as readable tables: one line per shape and direction, then the stages of each check."""
+    clock = "CPU" if report["clock"] == "cpu" else "wall"
     header = (
-        f"{'shape':<14} {'direction':<10} {'MiB':>6} {'ms/check':>9} {'CPU ms':>8} {'MiB/s':>7} {'x copy':>7} "
-        f"{'1Gb/s ms':>9} {'100Mb/s ms':>10} {'% of 1Gb/s':>10}"
+        f"{'shape':<12} {'direction':<10} {'MiB':>6} {clock + ' ms':>8} {'wall ms':>8} {'MiB/s':>6} {'x copy':>6} "
+        f"{'1Gb/s ms':>8} {'100Mb/s ms':>10} {'% of 1Gb/s':>10}"
     )
     lines = [
         f"device {report['device']} ({report['device_name']}), {report['threads']} thread(s), wire dtype "
         f"{report['wire_dtype']}, spectral rank {report['spectral']['rank']} + {report['spectral']['oversample']}, "
-        f"{report['spectral']['power_iterations']} power iteration(s); median of {report['repeats']} checks",
+        f"{report['spectral']['power_iterations']} power iteration(s); medians of {report['repeats']} checks "
+        f"in {clock} time",
         header,
     ]
     for row in report["rows"]:
-        cpu = "-" if row["check_cpu_ms"] is None else f"{row['check_cpu_ms']:.2f}"
         lines.append(
-            f"{_shape_name(row['shape']):<14} {row['direction']:<10} {row['mib']:>6.2f} {row['check_ms']:>9.2f} "
-            f"{cpu:>8} {row['mib_per_s']:>7.0f} {row['ratio_to_copy']:>7.1f} {row['transfer_ms']['1gbit']:>9.1f} "
-            f"{row['transfer_ms']['100mbit']:>10.1f} {100 * row['share_of_1gbit']:>9.1f}%"
+            f"{_shape_name(row['shape']):<12} {row['direction']:<10} {row['mib']:>6.2f} {row['check_ms']:>8.2f} "
+            f"{row['check_wall_ms']:>8.2f} {row['mib_per_s']:>6.0f} {row['ratio_to_copy']:>6.1f} "
+            f"{row['transfer_ms']['1gbit']:>8.1f} {row['transfer_ms']['100mbit']:>10.1f} "
+            f"{100 * row['share_of_1gbit']:>9.1f}%"
         )
     stages = list(dict.fromkeys(stage for row in report["rows"] for stage in row["stages_ms"]))
-    lines += [
-        "",
-        "ms per stage of a check:",
-        f"{'shape':<14} {'direction':<10} " + " ".join(f"{s:>12.12}" for s in stages),
-    ]
+    lines += ["", f"{clock} ms per stage of a check:"]
+    lines.append(f"{'shape':<12} {'direction':<10} " + " ".join(f"{s:>16}" for s in stages))
     for row in report["rows"]:
-        cells = " ".join(f"{row['stages_ms'].get(stage, 0.0):>12.2f}" for stage in stages)
-        lines.append(f"{_shape_name(row['shape']):<14} {row['direction']:<10} {cells}")
-    lines += ["", "stages: " + "; ".join(stages)]
+        cells = " ".join(f"{row['stages_ms'].get(stage, 0.0):>16.2f}" for stage in stages)
+        lines.append(f"{_shape_name(row['shape']):<12} {row['direction']:<10} {cells}")
+    lines += [""] + [f"  {stage}: {STAGE_LEGEND.get(stage, '')}" for stage in stages]
     linearity = ", ".join(f"{d} {v:.2f}x" for d, v in report["linearity"].items() if v is not None)
     lines.append(
         f"goal: a check <= {100 * GOAL_SHARE_OF_1GBIT:.0f}% of the 1 Gbit/s transfer (worst "

@@ -141,7 +141,7 @@ class Profiler:
     def profile(self, scan: Scan, clock: Clock | None = None) -> Profile:
         """The profile of a finite scan, on the CPU whatever the device. `clock(stage)` follows each stage."""
         tick = clock or _no_clock
-        tick("scan: norms, moments, projections")
+        tick("scan")
         values = scan.values
         n = values.shape[0]
         # a few tokens of surprising text carry gradients 10x the rest; clipped, they no longer swing the profile,
@@ -162,7 +162,7 @@ class Profiler:
         products = scan.products * weights[:, None]
         projected = products[:, : self.n_projections] * scale
         quantiles = _quantiles(projected, self.levels)
-        tick("clipping, quantiles")
+        tick("clip, quantiles")
 
         top, sums = self._top_energy(values, weights, products[:, : self.sketch_width], tick)
         fields = (
@@ -200,10 +200,10 @@ class Profiler:
             else:  # right: W A Z, (rows, l)
                 product = weights * self._right(values, _orthonormal(product.T))
             if index < self.passes - 1:
-                tick("range finder passes")
+                tick("power iteration")
         gram = product @ product.T if self.passes % 2 else product.T @ product
         energies = torch.linalg.eigvalsh(gram).clamp_min(0)
-        tick("range finder: top energy")
+        tick("range, energy")
         return energies[-self.spectral_rank :].sum(), column_sums
 
     def _left(self, values: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
