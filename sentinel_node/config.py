@@ -84,7 +84,12 @@ class PipelineConfig(_Strict):
     compression: Literal["none", "float16", "blockwise_8bit"] = "none"
     max_tensor_mib: float = Field(64.0, gt=0, description="largest tensor a node accepts from the network")
     mixed_precision: Literal["auto", "bf16", "off"] = Field(
-        "auto", description="auto: bf16 autocast on GPUs that support it, else fp32; tensors on the wire stay fp32"
+        "auto", description="auto: bf16 autocast on GPUs that support it, else fp32 (wire_dtype is separate)"
+    )
+    wire_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="dtype of activations and gradients between stages (every node must agree: it is in the config "
+        "hash); float32 for CPU swarms, bfloat16 for swarms whose stages run on GPUs (docs/decisions.md)",
     )
 
 
@@ -120,6 +125,12 @@ class VerificationConfig(_Strict):
     n_projections: int = Field(16, ge=1, description="random directions for the sliced Wasserstein distance")
     n_quantiles: int = Field(33, ge=3, description="quantile levels per projection")
     spectral_rank: int = Field(4, ge=1, description="singular values counted as the tensor's dominant energy")
+    spectral_oversample: int = Field(
+        8, ge=0, description="extra test vectors of the randomized range finder behind the spectral share"
+    )
+    spectral_power_iterations: int = Field(
+        1, ge=0, le=4, description="power iterations of that range finder (each reads the tensor twice more)"
+    )
     window: int = Field(128, ge=8, description="accepted scores kept per metric for the adaptive threshold")
     fence_k: float = Field(5.5, gt=0, description="threshold = Q3 + k * IQR")
     fence_spaces: dict[str, Literal["relative_log", "linear"]] = Field(

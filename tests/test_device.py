@@ -134,14 +134,15 @@ def test_bf16_demanded_where_it_cannot_run():
 def train(worker_cls_args: dict, steps: int) -> tuple[list[float], StageWorker, StageWorker]:
     """A two-stage pipeline trained on one fixed batch; returns the losses and the two workers."""
     pipe = pipeline(**worker_cls_args)
+    wire = getattr(torch, pipe.wire_dtype)
     first, last = StageWorker(MODEL, pipe, 0, seed=1), StageWorker(MODEL, pipe, 1, seed=1)
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
     losses = []
     for step in range(steps):
         hidden = first.forward(f"m{step}", tokens[:, :-1])
-        assert hidden.dtype == torch.float32  # the wire dtype, whatever the compute dtype
+        assert hidden.dtype == wire  # the wire dtype, whatever the compute dtype
         loss, grad = last.forward_backward_loss(f"m{step}", hidden, tokens[:, 1:])
-        assert grad is not None and grad.dtype == torch.float32
+        assert grad is not None and grad.dtype == wire
         assert first.backward(f"m{step}", grad) is None
         first.step(step), last.step(step)
         losses.append(loss)
@@ -189,6 +190,31 @@ def test_bf16_autocast_keeps_the_wire_float32():
     assert first.precision == Precision(torch.bfloat16)
     assert all(p.dtype == torch.float32 for p in first.module.parameters())  # master weights stay fp32
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("wire_dtype", ["bfloat16", "float16"])
+def test_a_stage_sends_in_the_wire_dtype_and_computes_in_float32(wire_dtype):
+    losses, first, last = train({"wire_dtype": wire_dtype}, 12)
+    assert all(p.dtype == torch.float32 for p in last.module.parameters())
+    assert losses[-1] < losses[0] - 1.0, losses
+    hidden = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))
+    sent = last.evaluate(hidden.to(getattr(torch, wire_dtype)))  # a validation pass of a middle stage's input
+    assert sent.dtype == getattr(torch, wire_dtype)
+
+
+def test_float16_on_the_wire_saturates_instead_of_overflowing():
+    worker = StageWorker(MODEL, pipeline(wire_dtype="float16"), 0, seed=1)
+    sent = worker._to_wire(torch.tensor([1e6, -1e6, 3.0]))
+    assert sent.dtype == torch.float16 and torch.isfinite(sent).all() and float(sent[2]) == 3.0
+
+
+def test_a_verifier_asked_for_a_gpu_it_lacks_says_what_to_do(no_cuda):
+    from sentinel_node.config import load_config
+    from sentinel_node.roles.common import JoinOptions, NodeError
+    from sentinel_node.roles.verifier import VerifierOptions, run_verifier
+
+    with pytest.raises(NodeError, match="--device cuda: no CUDA device is visible; pass --device cpu"):
+        run_verifier(JoinOptions(config=load_config()), lambda *_: None, settings=VerifierOptions(device="cuda"))
 
 
 def test_gpu_check_script_exits_cleanly_without_a_gpu(no_cuda, capsys):

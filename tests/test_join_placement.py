@@ -41,6 +41,8 @@ CONFIG = {
         "announce_ttl": 6.0,
         "request_timeout": 3.0,
         "rebalance_period": 3.0,
+        "open_trainers": True,  # placement is under test here, not admission (test_pipeline_swarm.py)
+        "open_verifiers": True,
     },
     "data": {"max_bytes": 2**22},
 }

@@ -29,6 +29,7 @@ def _run_trainer(demo: Demo, name: str, steps: int, state_dir: Path) -> list[dic
     node = demo.swarm.start(
         name,
         "trainer",
+        *("--certificate", str(demo.certify(name))),  # the demo's swarm is closed: its organiser admits trainers
         *("--steps", str(steps), "--eval-every", "4", "--eval-batches", "2", "--metrics-out", str(metrics)),
         *("--state-dir", str(state_dir), "--no-progress"),
     )

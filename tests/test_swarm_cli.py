@@ -88,6 +88,7 @@ def swarm_cli(*args: str) -> Result:
 def config_path(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("config") / "swarm.yaml"
     swarm = {"prefix": "cli-test", "announce_period": 0.5, "announce_ttl": 4.0, "request_timeout": 5.0}
+    swarm |= {"open_trainers": True, "open_verifiers": True}  # lifecycles under test here, not admission
     path.write_text(yaml.safe_dump({"swarm": swarm}))
     return str(path)
 

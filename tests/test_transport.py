@@ -170,6 +170,35 @@ def test_blockwise_without_bitsandbytes_fails_at_config_time(monkeypatch: pytest
         TransportSettings(compression="zstd")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_each_wire_dtype_goes_in_its_own_bytes_and_comes_back_exactly(dtype: torch.dtype) -> None:
+    """bfloat16 on the wire really halves the bytes (hivemind alone would widen it to float32)."""
+    sent = torch.randn(8, 64, 128, generator=torch.Generator().manual_seed(3)).to(dtype)
+    protos = serialize_tensors([sent], CompressionType.NONE, LIMITS)
+    assert (
+        len(protos[0].buffer)
+        == sent.numel() * sent.element_size()
+        == sent.numel() * (4 if dtype is torch.float32 else 2)
+    )
+    assert protos[0].dtype == str(dtype).removeprefix("torch.")
+    (got,) = deserialize_tensors(protos, LIMITS)
+    assert got.dtype == dtype and torch.equal(got, sent)
+    got.add_(1)  # decoded tensors own their memory (the message buffer is read-only)
+    parts = stream_messages(ExpertRequest, None, protos, chunk_bytes=2**16)
+    assembler = PartAssembler(sum(len(m.tensors) for m in parts), LIMITS)
+    for message in parts:
+        for part in message.tensors:
+            assembler.add(part)
+    (streamed,) = deserialize_tensors(assembler.finish(), LIMITS)
+    assert torch.equal(streamed, sent)
+
+
+def test_a_bfloat16_tensor_widened_to_float32_is_refused() -> None:
+    widened = WireTensor(buffer=bytes(4 * 32), size=[32], dtype="bfloat16")
+    with pytest.raises(MalformedTensorError, match="buffer of 128 bytes does not match shape.*expected 64"):
+        deserialize_tensors([widened], LIMITS)
+
+
 def wire(shape: tuple[int, ...], dtype: str = "float32", buffer: bytes | None = None, **kw) -> WireTensor:
     size = math.prod(shape) * codec.ALLOWED_DTYPES.get(dtype, 4)
     return WireTensor(buffer=bytes(size) if buffer is None else buffer, size=list(shape), dtype=dtype, **kw)

@@ -14,6 +14,10 @@ Reported: tokens/s per mode (the first steps, everyone's warm-up, left out), the
 verified/duplicate, and the checking verifier's CPU time per checked tensor against the CPU time of the forward
 pass that produced it.
 
+The same is measured once per wire dtype (``pipeline.wire_dtype``, float32 then bfloat16 by default), one swarm
+after the other in the same run (a swarm's nodes must agree on it), each with the bytes a microbatch puts on the
+wire: the top-level figures are the first dtype's, ``wire_dtypes`` holds every dtype's.
+
 The model: the demo's config with 4 layers per stage (:data:`BENCH_MODEL`). A stage of a real deployment holds
 many layers; with the demo's single layer per stage a check costs about as much as the forward pass it checks,
 which says nothing about a deployment. Everything here shares the machine's cores, verifiers included, so the
@@ -29,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 import yaml
 
 from dht import create_identity_file, load_identity_file
@@ -53,23 +58,70 @@ class OverheadSettings:
     model: tuple[tuple[str, int], ...] = tuple(BENCH_MODEL.items())  # overrides of the config's model section
     workdir: Path | None = None
     start_timeout: float = 150.0
+    wire_dtypes: tuple[str, ...] = ("float32", "bfloat16")  # one swarm each, in this order
 
 
 def run_overhead(
     settings: OverheadSettings = OverheadSettings(), echo: Callable[[str], None] = lambda _: None
 ) -> dict:
-    """Starts the swarm, trains ``settings.steps`` steps cycling the modes, stops every process; the report."""
+    """Per wire dtype: starts the swarm, trains ``settings.steps`` steps cycling the modes, stops every process.
+    The report: the first dtype's figures, and every dtype's under ``wire_dtypes``."""
+    reports = {}
+    for dtype in settings.wire_dtypes:
+        echo(f"--- wire dtype {dtype}")
+        reports[dtype] = _run_one(settings, dtype, echo)
+    first = reports[settings.wire_dtypes[0]]
+    return {**first, "wire_dtypes": {dtype: _dtype_summary(report) for dtype, report in reports.items()}}
+
+
+def _dtype_summary(report: dict) -> dict:
+    keys = ("wire", "tokens_per_s", "ratios", "verifier_cpu_ms_per_check", "cpu_accounting", "wall_s")
+    return {key: report[key] for key in keys}
+
+
+def wire_bytes(config: Config) -> dict:
+    """What one microbatch puts on the wire (tensor payloads as the codec serializes them, without framing): the
+    trainer's tokens and targets to stage 0, then per boundary the activation and targets to the verifier and on
+    to the next stage, and the gradient back over both hops."""
+    from sentinel_node.transport import TransportSettings
+    from sentinel_node.transport.codec import TensorLimits, resolve_compression, serialize_tensors
+
+    pipe = config.pipeline
+    transport = TransportSettings(compression=pipe.compression, max_tensor_mib=pipe.max_tensor_mib)
+    compression = resolve_compression(transport.compression)
+    limits = TensorLimits(max_tensor_mib=pipe.max_tensor_mib)
+
+    def size(tensor: torch.Tensor) -> int:
+        return sum(len(proto.buffer) for proto in serialize_tensors([tensor], compression, limits))
+
+    shape = (pipe.microbatch_size, pipe.seq_len, config.model.hidden_size)
+    hidden = size(torch.zeros(shape, dtype=getattr(torch, pipe.wire_dtype)))
+    tokens = size(torch.zeros(pipe.microbatch_size, pipe.seq_len, dtype=torch.int64))
+    boundaries = pipe.n_stages - 1
+    return {
+        "dtype": pipe.wire_dtype,
+        "compression": pipe.compression,
+        "hidden_state_bytes": hidden,
+        "bytes_per_microbatch": 2 * tokens + boundaries * (2 * (hidden + tokens) + 2 * hidden),
+    }
+
+
+def _run_one(settings: OverheadSettings, wire_dtype: str, echo: Callable[[str], None]) -> dict:
     from sentinel_node.roles.common import JoinOptions
     from sentinel_node.roles.route_modes import RoutingMode, RoutingSchedule
     from sentinel_node.roles.trainer import StepLog, TrainerOptions, run_trainer
 
     with tempfile.TemporaryDirectory(prefix="sentinel-bench-") as scratch:
-        workdir = Path(settings.workdir or scratch)
+        workdir = Path(settings.workdir or scratch) / wire_dtype
         workdir.mkdir(parents=True, exist_ok=True)
         # enough microbatches in flight to keep every core busy (a swarm's hardware is the scarce thing: duplicate
         # computation costs what it costs only when no core idles), and no parameter averaging, whose rounds
         # would land on some modes' steps and not others'
-        pipeline = {"average_every": NEVER, "microbatches_per_step": settings.microbatches_per_step}
+        pipeline = {
+            "average_every": NEVER,
+            "microbatches_per_step": settings.microbatches_per_step,
+            "wire_dtype": wire_dtype,
+        }
         (workdir / "identities").mkdir(exist_ok=True, mode=0o700)
         # a closed swarm, as a real one: its two verifiers (one a plain relay, the bench's point of comparison) and
         # its trainer are listed by peer id
@@ -163,6 +215,7 @@ def _report(
     }
     cpu = _cpu_accounting(config, checking, stages)
     return {
+        "wire": wire_bytes(config),
         "model": {"hidden_size": config.model.hidden_size, "n_layers": config.model.n_layers},
         "pipeline": {
             "n_stages": config.pipeline.n_stages,
@@ -237,6 +290,19 @@ def table(report: dict) -> str:
             f"{report['stage_forward_cpu_ms']:.2f} ms (ratio {ratio(report['check_over_forward'])})"
         )
     lines.append(f"targets {'met' if report['meets_targets'] else 'NOT met'}; wall time {report['wall_s']:.0f}s")
+    by_dtype = report.get("wire_dtypes") or {}
+    if len(by_dtype) > 1:
+        lines += [
+            "",
+            f"{'wire dtype':<10} {'bytes/microbatch':>16} {'verified tok/s':>14} {'relay tok/s':>11} "
+            f"{'duplicate tok/s':>15} {'check CPU ms':>12}",
+        ]
+        for dtype, summary in by_dtype.items():
+            t, check = summary["tokens_per_s"], summary["verifier_cpu_ms_per_check"]
+            lines.append(
+                f"{dtype:<10} {summary['wire']['bytes_per_microbatch']:>16,} {t['verified']:>14.0f} "
+                f"{t['relay']:>11.0f} {t['duplicate']:>15.0f} {'-' if check is None else f'{check:.2f}':>12}"
+            )
     return "\n".join(lines)
 
 

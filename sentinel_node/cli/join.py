@@ -46,9 +46,8 @@ def _pipeline_options(command):
         ),
         click.option(
             "--device",
-            default="auto",
-            show_default=True,
-            help="stage: torch device: auto (CUDA when visible, else cpu), cpu, cuda or cuda:N.",
+            help="stage: torch device: auto (the default: CUDA when visible, else cpu), cpu, cuda or cuda:N; "
+            "verifier: where checks run: cpu (the default), cuda or cuda:N.",
         ),
         click.option(
             "--state-dir",
@@ -147,7 +146,7 @@ def _role_settings(role: str, opts: dict) -> dict:
         settings = StageOptions(
             opts["stage"],
             attack,
-            opts["device"],
+            opts["device"] or "auto",
             opts["status_file"],
             state_dir=opts["state_dir"],
             checkpoint_every=opts["checkpoint_every"],
@@ -161,7 +160,8 @@ def _role_settings(role: str, opts: dict) -> dict:
             boundaries = tuple(int(b) for value in opts["boundaries"] for b in value.replace(",", " ").split())
         except ValueError:
             raise click.BadParameter("integers, e.g. --boundaries 0,1", param_hint="--boundaries") from None
-        return {"settings": VerifierOptions(boundaries, not opts["no_verify"], opts["status_file"])}
+        settings = VerifierOptions(boundaries, not opts["no_verify"], opts["status_file"], opts["device"] or "cpu")
+        return {"settings": settings}
     if role == "trainer":
         from sentinel_node.roles.route_modes import RoutingMode, RoutingSchedule
         from sentinel_node.roles.trainer import TrainerOptions

@@ -165,9 +165,17 @@ def detection(config_path, quick, attacks, attack_file, as_json, out, workers) -
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/bench", show_default=True, help="JSON here.")
 @click.option("--workdir", type=click.Path(file_okay=False), help="Keep the swarm's logs and status files here.")
-def overhead(config_path, steps, as_json, out, workdir) -> None:
+@click.option(
+    "--wire-dtype",
+    "wire_dtypes",
+    multiple=True,
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    help="One swarm per wire dtype, in order (repeatable; default: float32 then bfloat16).",
+)
+def overhead(config_path, steps, as_json, out, workdir, wire_dtypes) -> None:
     """SENTINEL's cost on a local swarm: tokens/s verified vs plain relays vs duplicate computation, and the
-    verifier's CPU time per checked tensor against the forward pass that produced it."""
+    verifier's CPU time per checked tensor against the forward pass that produced it; per wire dtype, with the
+    bytes a microbatch puts on the wire."""
     import json
     from pathlib import Path
 
@@ -181,6 +189,7 @@ def overhead(config_path, steps, as_json, out, workdir) -> None:
         steps=steps,
         config_path=Path(config_path) if config_path else DEMO_CONFIG_PATH,
         workdir=Path(workdir) if workdir else None,
+        **({"wire_dtypes": tuple(wire_dtypes)} if wire_dtypes else {}),
     )
     try:
         report = run_overhead(settings, echo=lambda line: click.echo(line, err=True))
@@ -190,3 +199,70 @@ def overhead(config_path, steps, as_json, out, workdir) -> None:
     click.echo(json.dumps(report, indent=2) if as_json else table(report))
     if not as_json:
         click.echo(f"{path} written")
+
+
+def _shape(value: str) -> tuple[int, int, int]:
+    try:
+        shape = tuple(int(part) for part in value.replace("x", ",").split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise click.BadParameter(f"{value!r}: give batch,tokens,hidden, e.g. 8,64,128", param_hint="--shape")
+    return shape
+
+
+@bench.command("verifier")
+@config_option
+@click.option("--device", default="cpu", show_default=True, help="Where the checks run: cpu, cuda or cuda:N.")
+@click.option(
+    "--wire-dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    help="dtype of the checked tensors (default: the config's pipeline.wire_dtype).",
+)
+@click.option(
+    "--shape", "shapes", multiple=True, help="batch,tokens,hidden (repeatable; default: 8,64,128 to 2,1024,4096)."
+)
+@click.option(
+    "--threads", type=click.IntRange(min=1), default=1, show_default=True, help="torch threads (a verifier uses 1)."
+)
+@click.option("--repeats", type=click.IntRange(min=3), default=12, show_default=True, help="Timed checks per shape.")
+@click.option("--accuracy", is_flag=True, help="Also compare the randomized spectral share with the exact one.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the tables.")
+def verifier_bench(config_path, device, wire_dtype, shapes, threads, repeats, accuracy, as_json) -> None:
+    """What one check costs per shape and direction: ms, MiB/s, ratio to a memory copy, the tensor's transfer
+    time at 100 Mbit/s and 1 Gbit/s, and the time of each stage of the profile."""
+    import json
+
+    from sentinel_node.bench.verifier import (
+        SHAPES,
+        VerifierBenchSettings,
+        accuracy_table,
+        run_verifier_bench,
+        spectral_accuracy,
+        table,
+    )
+    from sentinel_node.pipeline.device import DeviceError
+
+    config = load(config_path)
+    settings = VerifierBenchSettings(
+        shapes=tuple(_shape(s) for s in shapes) or SHAPES,
+        device=device,
+        wire_dtype=wire_dtype or config.pipeline.wire_dtype,
+        repeats=repeats,
+        threads=threads,
+    )
+    try:
+        report = run_verifier_bench(
+            config, settings, echo=lambda line: None if as_json else click.echo(line, err=True)
+        )
+    except DeviceError as e:
+        raise click.ClickException(str(e)) from None
+    if accuracy:
+        report["accuracy"] = spectral_accuracy(config)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(table(report))
+    if accuracy:
+        click.echo("")
+        click.echo(accuracy_table(report["accuracy"]))

@@ -15,6 +15,7 @@ class BoundaryVerifier:
 
     Boundary k sits between stage k and stage k + 1: activations there are sent by stage k replicas, gradients by
     stage k + 1 replicas. With `enabled=False` it is a plain relay (for overhead measurements and undefended runs).
+    `dtype` is the swarm's wire dtype (`pipeline.wire_dtype`); `device` where the statistics are computed.
     """
 
     def __init__(
@@ -25,6 +26,9 @@ class BoundaryVerifier:
         expected_shape: tuple[int, ...] | None,
         seed: int,
         enabled: bool = True,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
     ):
         self.enabled = enabled
         self.ledger = SenderStrikes(config.strike_limit, config.forgive_after)
@@ -33,7 +37,9 @@ class BoundaryVerifier:
                 config.monitor_settings(direction, seed),
                 hidden_size=hidden_size,
                 expected_shape=expected_shape,
+                dtype=dtype,
                 ledger=self.ledger,
+                device=device,
             )
             for boundary in boundaries
             for direction in ("activation", "gradient")

@@ -23,6 +23,8 @@ from sentinel_node.pipeline.device import (
 
 logger = get_logger(__name__)
 
+_FLOAT16_MIN, _FLOAT16_MAX = torch.finfo(torch.float16).min, torch.finfo(torch.float16).max
+
 
 class StageWorker:
     """Holds stage `stage` of the model and its optimizer; keeps each microbatch's graph until its backward.
@@ -33,7 +35,9 @@ class StageWorker:
     `device` may be "auto" (CUDA when visible) or None (the same). On CUDA the optimizer is bitsandbytes' 8-bit
     AdamW when installed and forward/backward run under bf16 autocast where the GPU supports it
     (`pipeline.mixed_precision`); whatever the compute dtype, the tensors it returns (activations, input
-    gradients) are float32, so verifiers and peers see one dtype on the wire. On the CPU: fp32 and torch AdamW.
+    gradients) are in the swarm's wire dtype (`pipeline.wire_dtype`), so verifiers and peers see one dtype on the
+    wire, and the tensors it takes in any float dtype are cast to float32 before they enter the stage. On the CPU:
+    fp32 and torch AdamW.
     """
 
     def __init__(
@@ -48,6 +52,7 @@ class StageWorker:
         self.stage, self.n_stages, self.pipeline = stage, pipeline.n_stages, pipeline
         self.device = resolve_device(device)
         self.precision = choose_precision(self.device.type, pipeline.mixed_precision)
+        self.wire_dtype: torch.dtype = getattr(torch, pipeline.wire_dtype)
         check_fits(model, pipeline, stage, self.device, self.precision)
         self.module: StageModule = build_stage(model, stage, pipeline.n_stages, seed, init=model.init_from is None)
         if model.init_from is not None:
@@ -81,13 +86,37 @@ class StageWorker:
         """The stage's output for `inputs`; the graph is kept for `backward(microbatch, ...)`."""
         if len(self._pending) >= self.max_pending:
             raise RuntimeError(f"stage {self.stage} holds {self.max_pending} microbatches awaiting backward")
-        inputs = inputs.to(self.device)
+        inputs = self._from_wire(inputs)
         if not self.is_first:
             inputs = inputs.detach().requires_grad_(True)
         with self._autocast():
             output = self.module(inputs)
         self._pending[microbatch] = (inputs, output)
-        return output.detach().float()
+        return self._to_wire(output)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The stage's output for a validation pass (no graph kept), in the wire dtype like a training output."""
+        with self._autocast():
+            return self._to_wire(self.module(self._from_wire(inputs)))
+
+    @torch.no_grad()
+    def evaluate_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Last stage: the loss of a validation pass."""
+        with self._autocast():
+            return float(self.module.loss(self.module(self._from_wire(inputs)), targets.to(self.device)))
+
+    def _from_wire(self, inputs: torch.Tensor) -> torch.Tensor:
+        # token ids stay as they are; hidden states arrive in the wire dtype and the stage computes from float32
+        if self.is_first:
+            return inputs.to(self.device)
+        return inputs.to(self.device, torch.float32)
+
+    def _to_wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach().float()
+        if self.wire_dtype == torch.float16:  # an honest outlier past fp16's range must not arrive as infinity
+            tensor = tensor.clamp(_FLOAT16_MIN, _FLOAT16_MAX)
+        return tensor.to(self.wire_dtype)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if not self.precision.enabled:
@@ -103,7 +132,7 @@ class StageWorker:
         loss = self.module.loss(logits, targets.to(self.device))
         loss.backward()
         self.accumulated += 1
-        grad = inputs.grad.detach().float() if inputs.grad is not None else None
+        grad = self._to_wire(inputs.grad) if inputs.grad is not None else None
         return float(loss.detach()), grad
 
     def backward(self, microbatch: str, grad_output: torch.Tensor) -> torch.Tensor | None:
@@ -114,7 +143,7 @@ class StageWorker:
         inputs, output = self._pending.pop(microbatch)
         output.backward(grad_output.to(device=self.device, dtype=output.dtype))
         self.accumulated += 1
-        return None if self.is_first else inputs.grad.detach().float()
+        return None if self.is_first else self._to_wire(inputs.grad)
 
     def discard(self, microbatch: str) -> None:
         """Forgets a microbatch whose gradient will never come (dropped, failed, or its output was replaced)."""

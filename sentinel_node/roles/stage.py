@@ -561,8 +561,8 @@ class StageNode(Node):
             gradients = reply.tensors
             if len(gradients) > 1 or (gradients and not self._fits(gradients[0])):
                 raise HopMalformed(
-                    "the answer must be at most one finite float32 gradient of shape "
-                    f"{self.shapes.activation}, got {[tuple(g.shape) for g in gradients]}",
+                    f"the answer must be at most one finite {self.config.pipeline.wire_dtype} gradient of shape "
+                    f"{self.shapes.activation}, got {[(tuple(g.shape), str(g.dtype)) for g in gradients]}",
                     peer=reply.peer,
                 )
             if not gradients:  # a verifier dropped the gradient (or replaced our activation): nothing to learn
@@ -606,7 +606,7 @@ class StageNode(Node):
 
     def _fits(self, tensor: torch.Tensor) -> bool:
         return (
-            tensor.dtype == torch.float32
+            tensor.dtype == self.shapes.dtype
             and tuple(tensor.shape) == self.shapes.activation
             and bool(torch.isfinite(tensor).all())
         )
@@ -648,13 +648,11 @@ class StageNode(Node):
         loss, grad = self.worker.forward_backward_loss(key, inputs, targets)
         return loss, self._send("gradient", grad, step)
 
-    @torch.no_grad()
     def _eval_forward(self, inputs: torch.Tensor, step: int) -> torch.Tensor:
-        return self._send("activation", self.worker.module(inputs), step)
+        return self._send("activation", self.worker.evaluate(inputs), step)
 
-    @torch.no_grad()
     def _eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        return float(self.worker.module.loss(self.worker.module(inputs), targets))
+        return self.worker.evaluate_loss(inputs, targets)
 
     # --- global steps and averaging
 

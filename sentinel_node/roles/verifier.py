@@ -37,6 +37,7 @@ from hivemind.utils.performance_ema import PerformanceEMA
 from dht import RecordError, RecordStore, RoleCertificate, StrikeRecord, VerifierAnnouncement
 from peers import LivenessBlacklist
 from sentinel_node.pipeline import BoundaryVerifier
+from sentinel_node.pipeline.device import DeviceError, resolve_device
 from sentinel_node.roles.admission import admitted_certificate
 from sentinel_node.roles.calls import call_hop
 from sentinel_node.roles.common import JoinOptions, NodeError, software_version
@@ -67,6 +68,7 @@ class VerifierOptions:
     boundaries: tuple[int, ...] = ()  # empty: every boundary of the config
     verify: bool = True  # False: a plain relay (overhead measurements, undefended runs)
     status_file: str | None = None
+    device: str = "cpu"  # where the statistics are computed: cpu, cuda or cuda:N
 
 
 @dataclass
@@ -120,7 +122,7 @@ def run_verifier(
     *,
     settings: VerifierOptions = VerifierOptions(),
 ) -> None:
-    """Serves until SIGTERM/SIGINT (or ``stop_event``); runs on a CPU."""
+    """Serves until SIGTERM/SIGINT (or ``stop_event``); checks on the CPU unless ``settings.device`` names a GPU."""
     config = options.config
     n_boundaries = config.pipeline.n_stages - 1
     boundaries = (
@@ -132,11 +134,24 @@ def run_verifier(
             f"--boundaries {outside} are outside 0..{n_boundaries - 1}: boundary b sits between stage b and b+1 "
             f"of the config's {config.pipeline.n_stages} stages"
         )
+    try:
+        device = resolve_device(settings.device)
+    except DeviceError as e:
+        raise NodeError(str(e)) from None
     torch.set_num_threads(1)
     shapes = Shapes.of(config)
     checker = BoundaryVerifier(
-        config.verification, boundaries, shapes.hidden, shapes.activation, config.swarm.seed, enabled=settings.verify
+        config.verification,
+        boundaries,
+        shapes.hidden,
+        shapes.activation,
+        config.swarm.seed,
+        enabled=settings.verify,
+        dtype=shapes.dtype,
+        device=device,
     )
+    if device.type != "cpu":
+        logger.info(f"verifier statistics on {device}")
     with started_node(options, stop_event) as context:
         asyncio.run(VerifierNode(context, settings, boundaries, checker).serve(on_ready))
 
@@ -282,7 +297,7 @@ class VerifierNode(Node):
         mode = "checking" if self.checker.enabled else "relaying without checks"
         names = ", ".join(f"{b}|{b + 1}" for b in self.boundaries)
         return [
-            f"verifier on boundaries {names}, {mode}; device: cpu",
+            f"verifier on boundaries {names}, {mode}; device: {self.settings.device}",
             f"check throughput: {self.capacity.samples_per_second:,.0f} checks/s (measured now)",
         ]
 

@@ -42,17 +42,19 @@ class StepReply(WireModel):
 
 @dataclass(frozen=True)
 class Shapes:
-    """The fixed tensor shapes of this swarm's microbatches."""
+    """The fixed tensor shapes of this swarm's microbatches, and the wire dtype of its hidden states."""
 
     batch: int
     seq_len: int
     hidden: int
     vocab: int
+    dtype: torch.dtype = torch.float32  # pipeline.wire_dtype: activations and gradients
 
     @classmethod
     def of(cls, config: Config) -> Shapes:
         pipe = config.pipeline
-        return cls(pipe.microbatch_size, pipe.seq_len, config.model.hidden_size, config.model.vocab_size)
+        wire = getattr(torch, pipe.wire_dtype)
+        return cls(pipe.microbatch_size, pipe.seq_len, config.model.hidden_size, config.model.vocab_size, wire)
 
     @property
     def activation(self) -> tuple[int, int, int]:
@@ -64,7 +66,7 @@ class Shapes:
 
     @property
     def hidden_spec(self) -> TensorSpec:
-        return TensorSpec(self.activation, torch.float32)
+        return TensorSpec(self.activation, self.dtype)
 
     @property
     def activation_bytes(self) -> int:

@@ -113,7 +113,15 @@ class Mesh:
         self._arm_attackers()
         self.verifiers = [
             [
-                BoundaryVerifier(config.verification, [k], config.model.hidden_size, self.shape, self.seed, verify)
+                BoundaryVerifier(
+                    config.verification,
+                    [k],
+                    config.model.hidden_size,
+                    self.shape,
+                    self.seed,
+                    verify,
+                    dtype=getattr(torch, pipe.wire_dtype),
+                )
                 for _ in range(sim.verifiers_per_boundary)
             ]
             for k in range(self.n_stages - 1)

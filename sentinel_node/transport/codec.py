@@ -97,8 +97,22 @@ def serialize_tensors(tensors: Sequence[torch.Tensor], compression: int, limits:
                 f"tensor {index}: shape {tuple(tensor.shape)} ({nbytes / 2**20:.1f} MiB) exceeds this node's limits "
                 f"({limits.max_tensor_mib:g} MiB, {limits.max_ndim} dimensions)"
             )
-        protos.append(serialize_torch_tensor(tensor, _compression_for(tensor, dtype, compression)))
+        protos.append(_serialize(tensor, _compression_for(tensor, dtype, compression)))
     return protos
+
+
+def _serialize(tensor: torch.Tensor, compression: int) -> WireTensor:
+    if compression == CompressionType.NONE and tensor.dtype == torch.bfloat16:
+        # hivemind widens bfloat16 to float32 on the wire unless USE_LEGACY_BFLOAT16=0 is set before it is first
+        # imported (a process-wide switch a library cannot rely on): bfloat16 goes as its own 2 bytes, which
+        # hivemind's own decoder reads back
+        return WireTensor(
+            compression=CompressionType.NONE,
+            buffer=tensor.view(torch.int16).numpy().tobytes(),
+            size=tensor.shape,
+            dtype="bfloat16",
+        )
+    return serialize_torch_tensor(tensor, compression)
 
 
 def _compression_for(tensor: torch.Tensor, dtype: str, compression: int) -> int:
@@ -144,9 +158,7 @@ def _wire_sizes(proto: WireTensor) -> tuple[int, ...]:
         return (numel * 2,)
     if proto.compression == CompressionType.BLOCKWISE_8BIT:
         return (16 + 4 * math.ceil(numel / BLOCKWISE_BLOCK) + 4 * BLOCKWISE_CODE_LEN + numel,)
-    if proto.dtype == "bfloat16":
-        return (numel * 2, numel * 4)  # hivemind sends bfloat16 as float32 unless USE_LEGACY_BFLOAT16=0
-    return (numel * ALLOWED_DTYPES[proto.dtype],)
+    return (numel * ALLOWED_DTYPES[proto.dtype],)  # bfloat16 too: 2 bytes, as serialize_tensors sends it
 
 
 def deserialize_tensors(protos: Sequence[WireTensor], limits: TensorLimits) -> list[torch.Tensor]:

@@ -47,7 +47,7 @@ def error_message(kind: type[Message], error: str) -> Message:
 
 
 def max_parts(limits: TensorLimits) -> int:
-    # Wire size can exceed the declared size (bfloat16 sent as float32, 8-bit codebooks): allow twice that.
+    # Wire size can exceed the declared size (the codebook of a small 8-bit tensor): allow twice that.
     return limits.max_tensors * (2 * limits.max_tensor_bytes // MIN_CHUNK_BYTES + 2)
 
 

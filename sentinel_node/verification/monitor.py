@@ -10,7 +10,7 @@ import torch
 from sentinel_node.verification.baseline import EmaBaseline
 from sentinel_node.verification.drift import DriftTest
 from sentinel_node.verification.metrics import METRICS
-from sentinel_node.verification.profile import Profiler
+from sentinel_node.verification.profile import Profiler, Scan
 from sentinel_node.verification.shift import BoundaryShift
 from sentinel_node.verification.strikes import SenderRecord, SenderStrikes
 from sentinel_node.verification.thresholds import AdaptiveThreshold
@@ -26,6 +26,8 @@ class MonitorSettings:
     n_projections: int
     n_quantiles: int
     spectral_rank: int
+    spectral_oversample: int
+    spectral_power_iterations: int
     window: int
     fence_k: float
     fence_spaces: dict[str, str]
@@ -114,6 +116,9 @@ class BoundaryMonitor:
 
     `check(tensor, sender)` returns a Verdict; the strike ledger (shared by a verifier's monitors when it passes
     one in) says when a sender is banned. Tensors of tainted microbatches are neither judged nor learned from.
+    `dtype` is the boundary's wire dtype (float32, bfloat16 or float16): a tensor of another is malformed, the
+    statistics are taken in float32 whatever it is, and replacements are made in it. `device` is where the
+    statistics are computed (a GPU verifier's); the baseline, the verdicts and the tensors passed on stay on the CPU.
     """
 
     def __init__(
@@ -123,6 +128,7 @@ class BoundaryMonitor:
         expected_shape: tuple[int, ...] | None = None,
         dtype: torch.dtype = torch.float32,
         ledger: SenderStrikes | None = None,
+        device: str | torch.device = "cpu",
     ):
         if settings.replacement not in REPLACEMENTS:
             raise ValueError(f"replacement must be one of {REPLACEMENTS}, not {settings.replacement!r}")
@@ -134,6 +140,9 @@ class BoundaryMonitor:
             settings.spectral_rank,
             settings.seed,
             settings.row_clip,
+            oversample=settings.spectral_oversample,
+            power_iterations=settings.spectral_power_iterations,
+            device=device,
         )
         self.baseline = EmaBaseline(settings.beta)
         self.thresholds = {
@@ -153,7 +162,7 @@ class BoundaryMonitor:
         return self.accepted < self.settings.warmup
 
     def check(self, tensor: torch.Tensor, sender: str, tainted: bool = False) -> Verdict:
-        problem = self._malformed(tensor)
+        problem, scan = self._malformed(tensor)
         if tainted:
             # an honest peer downstream of a replaced tensor is not to blame; only keep garbage from travelling
             replacement = self._replace(tensor) if problem else tensor
@@ -161,7 +170,7 @@ class BoundaryMonitor:
         if problem:
             return self._flag(tensor, sender, VerdictKind.MALFORMED, problem=problem)
 
-        profile = self.profiler(tensor)
+        profile = self.profiler.profile(scan)
         reference = self.baseline.reference
         if reference is None:
             self._accept(profile, {})
@@ -190,18 +199,18 @@ class BoundaryMonitor:
             VerdictKind.ACCEPTED, tensor, scores=scores, thresholds=limits, warming_up=warming_up, sender=record
         )
 
-    def _malformed(self, tensor: torch.Tensor) -> str | None:
+    def _malformed(self, tensor: torch.Tensor) -> tuple[str | None, Scan | None]:
+        """What is wrong with the tensor's form, or None; and its first pass (read once, for the profile too)."""
         if not isinstance(tensor, torch.Tensor):
-            return f"not a tensor: {type(tensor).__name__}"
+            return f"not a tensor: {type(tensor).__name__}", None
         if self.expected_shape is not None and tuple(tensor.shape) != tuple(self.expected_shape):
-            return f"shape {tuple(tensor.shape)} instead of {tuple(self.expected_shape)}"
+            return f"shape {tuple(tensor.shape)} instead of {tuple(self.expected_shape)}", None
         if tensor.dim() != 3 or tensor.shape[-1] != self.hidden_size:
-            return f"shape {tuple(tensor.shape)} is not (batch, tokens, {self.hidden_size})"
+            return f"shape {tuple(tensor.shape)} is not (batch, tokens, {self.hidden_size})", None
         if tensor.dtype != self.dtype:
-            return f"dtype {tensor.dtype} instead of {self.dtype}"
-        if not torch.isfinite(tensor).all():
-            return "non-finite values"
-        return None
+            return f"dtype {tensor.dtype} instead of {self.dtype}", None
+        scan = self.profiler.scan(tensor)
+        return (None if scan.finite else "non-finite values"), scan
 
     def _flag(
         self,

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
-
-import numpy as np
 
 SPACES = ("relative_log", "linear")
 
@@ -23,22 +22,28 @@ class AdaptiveThreshold:
             raise ValueError(f"fence space must be one of {SPACES}, not {space!r}")
         self.k, self.floor, self.space = k, floor, space
         self.scores: deque[float] = deque(maxlen=window)
+        self._sorted: list[float] = []  # the same scores in order: quartiles without sorting on every check
         self._cached: tuple[float, float, float] | None = None  # (scale, median, fence), fence in transformed space
 
     def accept(self, score: float) -> None:
+        score = float(score)
+        if len(self.scores) == self.scores.maxlen:
+            del self._sorted[bisect.bisect_left(self._sorted, self.scores[0])]
         self.scores.append(score)
+        bisect.insort(self._sorted, score)
         self._cached = None
 
     def _fence(self) -> tuple[float, float, float] | None:
         if len(self.scores) < 4:
             return None
         if self._cached is None:
-            raw = np.fromiter(self.scores, float)
-            scale = max(float(np.median(raw)), self.floor, 1e-12) if self.space == "relative_log" else 1.0
-            values = np.log1p(raw / scale) if self.space == "relative_log" else raw
-            q1, median, q3 = np.quantile(values, [0.25, 0.5, 0.75])
+            ordered = self._sorted
+            scale = max(_quantile(ordered, 0.5), self.floor, 1e-12) if self.space == "relative_log" else 1.0
+            # the transform is increasing, so the order statistics of the transformed scores are the transformed
+            # order statistics: interpolating between those is numpy's quantile of the transformed window
+            q1, median, q3 = (_quantile(ordered, q, lambda x: self._transform(x, scale)) for q in (0.25, 0.5, 0.75))
             fence = max(q3 + self.k * (q3 - q1), self._transform(self.floor, scale))
-            self._cached = (scale, float(median), float(fence))
+            self._cached = (scale, median, fence)
         return self._cached
 
     def _transform(self, score: float, scale: float) -> float:
@@ -58,3 +63,13 @@ class AdaptiveThreshold:
             return 0.0
         scale, median, limit = fence
         return (self._transform(score, scale) - median) / max(limit - median, 1e-9)
+
+
+def _quantile(ordered: list[float], q: float, transform=lambda x: x) -> float:
+    """The q-quantile of transform(ordered), ``ordered`` sorted and ``transform`` increasing, with numpy's default
+    rule: linear interpolation between the order statistics around position q * (n - 1)."""
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    below, above = transform(ordered[low]), transform(ordered[high])
+    return below + (above - below) * (position - low)
