@@ -155,9 +155,7 @@ def gaussian_noise(tensor: torch.Tensor, step: int, state: dict, fraction: float
     return tensor + noise * (fraction * tensor.norm() / noise.norm().clamp_min(1e-30))
 
 
-def lowrank_noise(
-    tensor: torch.Tensor, step: int, state: dict, fraction: float = 0.5, rank: int = 2
-) -> torch.Tensor:
+def lowrank_noise(tensor: torch.Tensor, step: int, state: dict, fraction: float = 0.5, rank: int = 2) -> torch.Tensor:
     """Adds noise confined to `rank` fixed directions of the hidden space, with `fraction` of the tensor's norm."""
     hidden = tensor.shape[-1]
     if state.get("basis") is None or state["basis"].shape[0] != hidden:
@@ -206,7 +204,9 @@ def replay(tensor: torch.Tensor, step: int, state: dict, lag: int = 1, noise: fl
     return old.clone()
 
 
-def intermittent(tensor: torch.Tensor, step: int, state: dict, every: int = 10, attack: str = "random") -> torch.Tensor:
+def intermittent(
+    tensor: torch.Tensor, step: int, state: dict, every: int = 10, attack: str = "random"
+) -> torch.Tensor:
     """Corrupts one tensor in `every` (of its own, in turn) with the catalogue's `attack`; sends the rest honest."""
     state["count"] = state.get("count", 0) + 1
     if state["count"] % every:

@@ -122,7 +122,7 @@ class VerificationConfig(_Strict):
     )
     reference_horizon: int = Field(256, ge=1, description="checks after which a silent sender leaves the reference")
     peer_pool: int = Field(64, ge=0, description="recent checks of a boundary a sender is ranked against (0: off)")
-    peer_kappa: float = Field(1.0, ge=0, description="normal score a sender's rank may exceed its peers' by, per check")
+    peer_kappa: float = Field(1.0, ge=0, description="normal score by which a sender may outrank its peers per check")
     peer_limit: float = Field(10.0, ge=0, description="accumulated excess at which the peer test flags (0: off)")
     replay_keep: int = Field(256, ge=0, description="recent tensors per boundary kept as sketches (0: no check)")
     replay_width: int = Field(32, ge=1, description="random directions per sequence in a replay sketch")

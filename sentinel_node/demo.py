@@ -49,6 +49,7 @@ class DemoSettings:
     metrics: bool = True  # every node serves Prometheus metrics on a free port
     state: bool = False  # stages keep checkpoints in WORKDIR/state/NAME
     checkpoint_every: int = 10
+    trusted_verifiers: bool = True  # False: an open verifier set, where a ban takes two verifiers (ban_quorum 2)
 
 
 class AttackerInfo(BaseModel):
@@ -162,7 +163,8 @@ class Demo:
             path = self.swarm.identity(name)
             identity = load_identity_file(path) if path.exists() else create_identity_file(path)
             verifier_ids.append(identity.peer_id)
-        self.config = base.with_overrides(swarm={"trusted_verifiers": verifier_ids, "ban_quorum": 1})
+        trust = {"trusted_verifiers": verifier_ids, "ban_quorum": 1} if settings.trusted_verifiers else {}
+        self.config = base.with_overrides(swarm=trust)
         (self.workdir / "swarm.yaml").write_text(yaml.safe_dump(self.config.model_dump(), sort_keys=False))
 
         self.echo(f"starting a local swarm in {self.workdir}")

@@ -566,7 +566,9 @@ def test_a_shift_of_every_sender_is_followed_and_strikes_no_one(streams):
     stream = streams.activations
     for i, tensor in enumerate(stream[:WARMUP]):
         monitor.check(tensor, SENDERS[i % 4])
-    verdicts = [monitor.check(attacks.bias(t, 0, {}, offset=0.5), SENDERS[i % 4]) for i, t in enumerate(stream[WARMUP:])]
+    verdicts = [
+        monitor.check(attacks.bias(t, 0, {}, offset=0.5), SENDERS[i % 4]) for i, t in enumerate(stream[WARMUP:])
+    ]
     late = verdicts[len(SENDERS) * 8 :]
     assert len(late) > 100
     assert sum(v.flagged for v in late) <= 2, [v.reason for v in late if v.flagged]
@@ -598,9 +600,17 @@ def test_honest_peers_raise_no_peer_alarm_over_a_long_stream(streams, direction)
 
 MODERATE = [
     ("activation", "half the tensor", lambda x, i: attacks.scale(x, i, {}, sigma=0.5)),
-    ("activation", "a tenth of the signs flipped", lambda x, i: attacks.sparse_sign_flip(x, i, {"seed": i}, fraction=0.1)),
+    (
+        "activation",
+        "a tenth of the signs flipped",
+        lambda x, i: attacks.sparse_sign_flip(x, i, {"seed": i}, fraction=0.1),
+    ),
     ("gradient", "half the gradient", lambda x, i: attacks.scale(x, i, {}, sigma=0.5)),
-    ("gradient", "noise of a quarter of its norm", lambda x, i: attacks.gaussian_noise(x, i, {"seed": i}, fraction=0.25)),
+    (
+        "gradient",
+        "noise of a quarter of its norm",
+        lambda x, i: attacks.gaussian_noise(x, i, {"seed": i}, fraction=0.25),
+    ),
 ]
 
 
@@ -616,10 +626,15 @@ def test_a_sender_consistently_unlike_its_peers_is_flagged_by_its_evidence(strea
 def test_peer_evidence_needs_two_other_senders():
     evidence = PeerEvidence(("m",), pool=64, kappa=0.5, limit=3.0, max_senders=8)
     # one peer: a sender always far above it is no evidence (which of two is the odd one?)
-    assert not any(evidence.observe(sender, {"m": 10.0 if sender == "x" else 1.0}) for _ in range(50) for sender in "xy")
+    assert not any(
+        evidence.observe(sender, {"m": 10.0 if sender == "x" else 1.0}) for _ in range(50) for sender in "xy"
+    )
     evidence = PeerEvidence(("m",), pool=64, kappa=0.5, limit=3.0, max_senders=8)
-    alarms = [evidence.observe(sender, {"m": 10.0 if sender == "x" else 1.0 + 0.01 * i})
-              for i in range(50) for sender in "xyz"]
+    alarms = [
+        evidence.observe(sender, {"m": 10.0 if sender == "x" else 1.0 + 0.01 * i})
+        for i in range(50)
+        for sender in "xyz"
+    ]
     raised = [a for a in alarms if a is not None]
     assert raised and all(a.metric == "m" for a in raised)
 

@@ -164,9 +164,7 @@ class BoundaryMonitor:
             settings.row_clip,
         )
         self.baseline = EmaBaseline(settings.beta)
-        self.peer_reference = PeerReference(
-            settings.reference_pool, settings.reference_horizon, settings.max_senders
-        )
+        self.peer_reference = PeerReference(settings.reference_pool, settings.reference_horizon, settings.max_senders)
         self.thresholds = {
             name: AdaptiveThreshold(
                 settings.window, settings.fence_k, settings.floors[name], settings.fence_spaces[name]

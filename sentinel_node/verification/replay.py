@@ -67,10 +67,8 @@ class ReplaySketcher:
         # the first tokens of a sequence carry little context: two sequences that open alike (indentation) have the
         # same rows there, so they are left out
         rows = rows[:, min(SKIPPED_TOKENS, rows.shape[1] // 4) :]
-        if rows.shape[0] > 1:  # what all sequences share at a position is no one sequence's
-            rows = rows - rows.mean(dim=0, keepdim=True)
-        else:
-            rows = rows - rows.mean(dim=1, keepdim=True)
+        # what all sequences share at a position is no one sequence's (one sequence: its channels' means)
+        rows = rows - rows.mean(dim=0 if rows.shape[0] > 1 else 1, keepdim=True)
         # every channel and every token weighs alike: otherwise a few large channels (or tokens) make every
         # sketch point the same way
         rows = rows / rows.reshape(-1, rows.shape[-1]).std(dim=0).clamp_min(1e-30)
