@@ -31,13 +31,14 @@ def test_a_long_clean_swarm_of_single_replicas_bans_no_honest_stage(tmp_path):
         demo.start()
         demo.train()
         summary = demo.summary()
-        ledgers = {name: (demo.node(name).status() or {}) for name in demo.verifier_names()}
-    assert summary["steps"] == STEPS
-    assert summary["loss_fell"], summary
-    assert summary["excluded"] == [] and summary["honest_excluded"] == [], summary
-    for name, status in ledgers.items():
-        assert status.get("banned") == [], (name, status.get("ledger"))
-        assert status.get("checks", {}).get("activation", 0) > 0, (name, status)
+        statuses = {name: demo.node(name).status() for name in demo.verifier_names()}
+    assert summary.steps == STEPS
+    assert summary.loss_fell, summary
+    assert summary.excluded == [] and summary.honest_excluded == [], summary
+    for name, status in statuses.items():
+        assert status is not None, name
+        assert status.banned == [], (name, status.ledger)
+        assert status.checks["activation"] > 0 and status.checks["gradient"] > 0, (name, status.checks)
     # what the verifiers held against honest stages at the end: strikes, if any, stayed below a ban
-    strikes = [record["strikes"] for status in ledgers.values() for record in status["ledger"].values()]
-    assert max(strikes, default=0) < demo.config.verification.strike_limit, ledgers
+    strikes = [record.strikes for status in statuses.values() for record in status.ledger.values()]
+    assert max(strikes, default=0) < demo.config.verification.strike_limit, statuses

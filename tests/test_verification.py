@@ -366,9 +366,12 @@ def test_a_persistent_attacker_is_banned_at_exactly_the_strike_limit(streams, st
 
 def test_blatant_flags_weigh_two_strikes(streams):
     monitor = warmed_monitor(streams)
-    zeros = [monitor.check(attacks.constant(t, 0, {}), "attacker") for t in streams.activations[WARMUP : WARMUP + 2]]
-    assert all(v.blatant and v.severity >= monitor.settings.blatant_severity for v in zeros)
-    assert [v.sender.strikes for v in zeros] == [2, 4] and zeros[1].banned
+    seen = []  # the sender's record is live: read its strikes right after each check
+    for tensor in streams.activations[WARMUP : WARMUP + 2]:
+        verdict = monitor.check(attacks.constant(tensor, 0, {}), "attacker")
+        assert verdict.blatant and verdict.severity >= monitor.settings.blatant_severity
+        seen.append((verdict.sender.strikes, verdict.banned))
+    assert seen == [(2, False), (4, True)]
 
 
 def glitching_sender(streams: HonestStreams, every: int, **overrides) -> BoundaryMonitor:
@@ -556,7 +559,7 @@ def test_a_minority_cannot_walk_the_peer_reference(streams):
     truth = honest.reference()
     moved = METRICS["l1"](walked.reference(), truth)
     dragged = METRICS["l1"](ema.reference, truth)
-    assert dragged > 0.3 and moved < dragged / 4, (moved, dragged)
+    assert dragged > 0.2 and moved < dragged / 4, (moved, dragged)
 
 
 def test_a_shift_of_every_sender_is_followed_and_strikes_no_one(streams):
@@ -608,19 +611,26 @@ MODERATE = [
     ("gradient", "half the gradient", lambda x, i: attacks.scale(x, i, {}, sigma=0.5)),
     (
         "gradient",
-        "noise of a quarter of its norm",
-        lambda x, i: attacks.gaussian_noise(x, i, {"seed": i}, fraction=0.25),
+        "noise of half its norm",
+        lambda x, i: attacks.gaussian_noise(x, i, {"seed": i}, fraction=0.5),
     ),
 ]
 
 
 @pytest.mark.parametrize("direction, attack", [(d, a) for d, _, a in MODERATE], ids=[n for _, n, _ in MODERATE])
 def test_a_sender_consistently_unlike_its_peers_is_flagged_by_its_evidence(streams, direction, attack):
-    verdicts = peer_stream(streams, direction, attack)
+    # the fences opened wide (k = 60): the evidence accumulated against the peers alone flags the attacker
+    verdicts = peer_stream(streams, direction, attack, fence_k=60.0)
     attacker = [v for sender, v in verdicts[WARMUP:] if sender == "d"]
-    # inside every fence, or nearly: the evidence accumulated against the peers is what flags it
-    assert any(v.kind is VerdictKind.PEER for v in attacker), [v.reason for v in attacker if v.flagged]
+    assert sum(v.kind is VerdictKind.PEER for v in attacker) >= 2, [v.reason for v in attacker if v.flagged]
     assert not any(v.flagged for sender, v in verdicts if sender != "d")
+
+
+@pytest.mark.parametrize("direction, attack", [(d, a) for d, _, a in MODERATE], ids=[n for _, n, _ in MODERATE])
+def test_a_moderate_attacker_among_honest_peers_is_banned_and_they_are_not(streams, direction, attack):
+    verdicts = peer_stream(streams, direction, attack)
+    banned = {sender for sender, v in verdicts if v.banned}
+    assert banned == {"d"}, [(s, v.reason) for s, v in verdicts if v.flagged]
 
 
 def test_peer_evidence_needs_two_other_senders():
