@@ -187,13 +187,14 @@ def run_detection(
             f"({len(selected)} attacks x undefended/defended, and a clean run); about {minutes:.0f} min on 2 "
             "otherwise idle cores here"
         )
-    clean, results = run_all(config, corpus, specs, workers, progress=None if bar else progress, bar=bar)
+    clean, results, step_cpu = run_all(config, corpus, specs, workers, progress=None if bar else progress, bar=bar)
     rows = [summarize(case, results[2 * i + 1], results[2 * i], clean) for i, case in enumerate(selected)]
     return {
         "suite": "catalogue",
         "profile": profile,
         "config_hash": config.swarm_hash(),
         "mesh": mesh_summary(config),
+        "cpu_s_per_step": None if step_cpu is None else round(step_cpu, 3),
         "clean": clean_summary(clean),
         "attacks": rows,
     }

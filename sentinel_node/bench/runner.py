@@ -10,16 +10,20 @@ process pool forked after the prefix inherits the copies.
 from __future__ import annotations
 
 import multiprocessing
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from hivemind.utils.logging import get_logger
 from tqdm import tqdm
 
 from sentinel_node.config import Config
 from sentinel_node.model import Corpus
 from sentinel_node.sim import AttackPlan, Mesh, SimResult
+
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,12 +43,14 @@ _SNAPSHOTS: dict[int, Mesh] = {}
 _SPECS: list[RunSpec] = []
 
 
-def _run(index: int) -> tuple[int, SimResult]:
+def _run(index: int) -> tuple[int, SimResult, float]:
     torch.set_num_threads(1)  # one run per core beats one run on two
+    started = time.process_time()
     spec = _SPECS[index]
     mesh = _SNAPSHOTS[spec.branch].fork()
     mesh.arm(spec.plan(), spec.verify, attack_start=spec.attack_start)
-    return index, mesh.run()
+    result = mesh.run()
+    return index, result, (time.process_time() - started) / max(1, mesh.step - spec.branch)
 
 
 def run_all(
@@ -54,9 +60,9 @@ def run_all(
     workers: int,
     progress: Callable[[str], None] | None = None,
     bar: bool = False,
-) -> tuple[SimResult, list[SimResult]]:
-    """The clean run, and each spec's result in order. `progress` gets a line per finished run (with the time
-    left); `bar` shows a tqdm bar on stderr instead."""
+) -> tuple[SimResult, list[SimResult], float | None]:
+    """The clean run, each spec's result in order, and the median CPU seconds a run spent per global step.
+    `progress` gets a line per finished run (with the time left); `bar` shows a tqdm bar on stderr instead."""
     torch.set_num_threads(1)
     started = time.monotonic()
     last = max((spec.branch for spec in specs), default=0)
@@ -70,16 +76,20 @@ def run_all(
         _SNAPSHOTS[branch] = mesh.fork()
     del mesh
     results: list[SimResult | None] = [None] * len(everything)
+    step_cpu: list[float] = []
     meter = tqdm(total=len(everything), unit="run", disable=not bar, dynamic_ncols=True)
     context = multiprocessing.get_context("fork")  # workers inherit the corpus and the snapshots
     with context.Pool(max(1, min(workers, len(everything)))) as pool:
-        for done, (index, result) in enumerate(pool.imap_unordered(_run, range(len(everything))), 1):
+        for done, (index, result, cpu) in enumerate(pool.imap_unordered(_run, range(len(everything))), 1):
             results[index] = result
+            step_cpu.append(cpu)
             _report(meter, progress, everything[index].label, done, len(everything), started)
     meter.close()
     _SNAPSHOTS.clear()
     _SPECS.clear()
-    return results[0], results[1:]
+    if step_cpu:
+        logger.info(f"{statistics.median(step_cpu):.3f} CPU seconds per global step of a run (median)")
+    return results[0], results[1:], statistics.median(step_cpu) if step_cpu else None
 
 
 def _report(meter: tqdm, progress: Callable[[str], None] | None, label: str, done: int, total: int, t0: float):

@@ -287,13 +287,14 @@ def run_sweep(
             f"{len(specs) + 1} runs of {config.sim.steps} steps; about {minutes:.0f} min on 2 otherwise idle cores "
             "here"
         )
-    clean, results = run_all(config, corpus, specs, workers, progress=None if bar else progress, bar=bar)
+    clean, results, step_cpu = run_all(config, corpus, specs, workers, progress=None if bar else progress, bar=bar)
     rows = [summarize_point(p, results[2 * i + 1], results[2 * i], clean) for i, p in enumerate(selected)]
     return {
         "suite": "sweep",
         "profile": profile,
         "config_hash": config.swarm_hash(),
         "mesh": mesh_summary(config),
+        "cpu_s_per_step": None if step_cpu is None else round(step_cpu, 3),
         "clean": clean_summary(clean),
         "points": rows,
         "verdict": judge(rows),

@@ -69,11 +69,11 @@ class ReplaySketcher:
         rows = rows[:, min(SKIPPED_TOKENS, rows.shape[1] // 4) :]
         # what all sequences share at a position is no one sequence's (one sequence: its channels' means)
         rows = rows - rows.mean(dim=0 if rows.shape[0] > 1 else 1, keepdim=True)
-        # every channel and every token weighs alike: otherwise a few large channels (or tokens) make every
-        # sketch point the same way
-        rows = rows / rows.reshape(-1, rows.shape[-1]).std(dim=0).clamp_min(1e-30)
-        rows = rows / rows.norm(dim=-1, keepdim=True).clamp_min(1e-30)
-        projected = rows @ self.directions  # (batch, tokens, width)
+        # every channel and every token weighs alike, or a few large channels (or tokens) make every sketch point
+        # the same way: channels are scaled to unit spread (folded into the directions) and rows to unit norm
+        inverse_spread = rows.reshape(-1, rows.shape[-1]).square().mean(dim=0).clamp_min(1e-30).rsqrt()
+        row_norms = (rows.square() @ inverse_spread.square()).sqrt().clamp_min(1e-30)
+        projected = (rows @ (self.directions * inverse_spread[:, None])) / row_norms[..., None]
         sketch = (projected * self._token_signs(projected.shape[1])[:, None]).sum(dim=1)
         return (sketch / sketch.norm(dim=1, keepdim=True).clamp_min(1e-30)).half()
 
