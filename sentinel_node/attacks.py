@@ -145,6 +145,107 @@ def adaptive(
     return blend(low) if low > 0 else tensor
 
 
+# --- families written outside the catalogue the fences were tuned on (`bench detection --suite sweep`): each has
+# a strength parameter, and none is in `mixed`
+
+
+def gaussian_noise(tensor: torch.Tensor, step: int, state: dict, fraction: float = 0.25) -> torch.Tensor:
+    """Adds Gaussian noise whose norm is `fraction` of the tensor's (the signal stays; compare `invisible_noise`)."""
+    noise = torch.randn(tensor.shape, generator=_generator(state), dtype=torch.float32).to(tensor.dtype)
+    return tensor + noise * (fraction * tensor.norm() / noise.norm().clamp_min(1e-30))
+
+
+def lowrank_noise(tensor: torch.Tensor, step: int, state: dict, fraction: float = 0.5, rank: int = 2) -> torch.Tensor:
+    """Adds noise confined to `rank` fixed directions of the hidden space, with `fraction` of the tensor's norm."""
+    hidden = tensor.shape[-1]
+    if state.get("basis") is None or state["basis"].shape[0] != hidden:
+        basis = torch.randn(hidden, rank, generator=_generator(state))
+        state["basis"] = torch.linalg.qr(basis).Q
+    coefficients = torch.randn(*tensor.shape[:-1], rank, generator=_generator(state))
+    noise = (coefficients @ state["basis"].T).to(tensor.dtype)
+    return tensor + noise * (fraction * tensor.norm() / noise.norm().clamp_min(1e-30))
+
+
+def sparse_sign_flip(tensor: torch.Tensor, step: int, state: dict, fraction: float = 0.1) -> torch.Tensor:
+    """Flips the sign of a random `fraction` of the elements."""
+    flip = torch.rand(tensor.shape, generator=_generator(state)) < fraction
+    return torch.where(flip, -tensor, tensor)
+
+
+def channel_permutation(tensor: torch.Tensor, step: int, state: dict, fraction: float = 1.0) -> torch.Tensor:
+    """Permutes a fixed random `fraction` of the hidden channels among themselves (at least two)."""
+    hidden = tensor.shape[-1]
+    if state.get("permutation") is None or len(state["permutation"]) != hidden:
+        generator = _generator(state)
+        chosen = torch.randperm(hidden, generator=generator)[: max(2, round(fraction * hidden))]
+        permutation = torch.arange(hidden)
+        permutation[chosen] = chosen.roll(1)  # a cycle: every chosen channel moves
+        state["permutation"] = permutation
+    return tensor[..., state["permutation"]]
+
+
+def drift(tensor: torch.Tensor, step: int, state: dict, speed: float = 0.01) -> torch.Tensor:
+    """A bias that grows by `speed` times the tensor's RMS per global step since the attack began (an EMA baseline
+    follows it)."""
+    first = state.setdefault("first_step", step)
+    return bias(tensor, step, state, offset=speed * (step - first + 1))
+
+
+def replay(tensor: torch.Tensor, step: int, state: dict, lag: int = 1, noise: float = 0.0) -> torch.Tensor:
+    """A free-rider: sends the tensor it was given `lag` tensors earlier instead of this one, plus noise of
+    relative norm `noise` (it keeps only the last `lag`)."""
+    history: deque = state.setdefault("replay", deque(maxlen=lag + 1))
+    history.append(tensor.detach().clone())
+    if len(history) <= lag or history[0].shape != tensor.shape:
+        return tensor
+    old = history[0]
+    if noise > 0:
+        return gaussian_noise(old, step, state, fraction=noise)
+    return old.clone()
+
+
+def intermittent(
+    tensor: torch.Tensor, step: int, state: dict, every: int = 10, attack: str = "random"
+) -> torch.Tensor:
+    """Corrupts one tensor in `every` (of its own, in turn) with the catalogue's `attack`; sends the rest honest."""
+    state["count"] = state.get("count", 0) + 1
+    if state["count"] % every:
+        return tensor
+    return _BASIC[attack](tensor, step, state.setdefault(f"state_{attack}", {"seed": state.get("seed", 0)}))
+
+
+def channel_target(tensor: torch.Tensor, step: int, state: dict, channels: int = 4, factor: float = 0.0):
+    """Multiplies the `channels` largest channels (by mean magnitude in this tensor) by `factor`: few channels,
+    but the ones carrying the most signal."""
+    magnitude = tensor.detach().abs().reshape(-1, tensor.shape[-1]).mean(0)
+    top = magnitude.topk(min(channels, tensor.shape[-1])).indices
+    scale_by = torch.ones(tensor.shape[-1], dtype=tensor.dtype)
+    scale_by[top] = factor
+    return tensor * scale_by
+
+
+def row_corruption(tensor: torch.Tensor, step: int, state: dict, fraction: float = 0.1) -> torch.Tensor:
+    """Correlated with the content: negates the rows (tokens) that lie furthest along one fixed direction of the
+    hidden space, the `fraction` of tokens a backdoor-minded attacker would pick out."""
+    hidden = tensor.shape[-1]
+    if state.get("direction") is None or len(state["direction"]) != hidden:
+        state["direction"] = torch.randn(hidden, generator=_generator(state))
+    rows = tensor.reshape(-1, hidden)
+    along = rows.detach().float() @ state["direction"]
+    chosen = along >= torch.quantile(along, 1 - fraction)
+    return torch.where(chosen[:, None], -rows, rows).reshape(tensor.shape)
+
+
+def sequence_shuffle(tensor: torch.Tensor, step: int, state: dict, fraction: float = 1.0) -> torch.Tensor:
+    """Swaps whole sequences of the microbatch among `fraction` of them: every statistic of the tensor stays honest,
+    only which sequence carries which content is wrong."""
+    batch = tensor.shape[0]
+    chosen = torch.randperm(batch, generator=_generator(state))[: max(2, round(fraction * batch))]
+    order = torch.arange(batch)
+    order[chosen] = chosen.roll(1)
+    return tensor[order]
+
+
 def _scores(profile, reference) -> dict[str, float]:
     from sentinel_node.verification import METRICS
 
@@ -155,8 +256,21 @@ def _scores(profile, reference) -> dict[str, float]:
 delay.observes_honest = True
 adaptive.observes_honest = True
 mixed.observes_honest = True
+replay.observes_honest = True
 
-CATALOGUE: dict[str, AttackFn] = {**_BASIC, "mixed": mixed, "adaptive": adaptive}
+FAMILIES: dict[str, AttackFn] = {
+    "gaussian_noise": gaussian_noise,
+    "lowrank_noise": lowrank_noise,
+    "sparse_sign_flip": sparse_sign_flip,
+    "channel_permutation": channel_permutation,
+    "drift": drift,
+    "replay": replay,
+    "intermittent": intermittent,
+    "channel_target": channel_target,
+    "row_corruption": row_corruption,
+    "sequence_shuffle": sequence_shuffle,
+}
+CATALOGUE: dict[str, AttackFn] = {**_BASIC, "mixed": mixed, "adaptive": adaptive, **FAMILIES}
 BASIC_ATTACKS: tuple[str, ...] = tuple(_BASIC)
 
 

@@ -145,13 +145,24 @@ class VerificationConfig(_Strict):
     warmup: int = Field(150, ge=1, description="accepted tensors per boundary before anything can be flagged")
     strike_limit: int = Field(3, ge=1, description="S: strikes at which a sender is banned")
     forgive_after: int = Field(100, ge=1, description="F: clean checks that forgive one strike")
-    drift_window: int = Field(32, ge=0, description="checks per sender in the persistent-drift test (0 disables it)")
-    drift_limit: float = Field(
-        0.5, gt=0, description="mean log-excess over the median that a sender may sustain over the drift window"
+    blatant_severity: float = Field(
+        4.0, gt=1, description="a flag this far over its threshold (severity: 1 at the threshold) weighs two strikes"
     )
-    shift_window: int = Field(
-        64, ge=0, description="checks per boundary in which a shift of most senders together strikes no one (0: off)"
+    blatant_limit: int = Field(3, ge=1, description="blatant flags, forgiven one per blatant_forgive_after, that ban")
+    blatant_forgive_after: int = Field(1000, ge=1, description="clean checks that forgive one blatant flag")
+    reference_pool: int = Field(
+        12, ge=1, description="recent profiles, an equal share per sender, whose median is the reference"
     )
+    reference_horizon: int = Field(256, ge=1, description="checks after which a silent sender leaves the reference")
+    peer_pool: int = Field(64, ge=0, description="recent checks of a boundary a sender is ranked against (0: off)")
+    peer_kappa: float = Field(1.0, ge=0, description="normal score by which a sender may outrank its peers per check")
+    peer_limit: float = Field(10.0, ge=0, description="accumulated excess at which the peer test flags (0: off)")
+    replay_keep: int = Field(256, ge=0, description="recent tensors per boundary kept as sketches (0: no check)")
+    replay_width: int = Field(32, ge=1, description="random directions per sequence in a replay sketch")
+    replay_similarity: float = Field(
+        0.95, gt=0, le=1, description="cosine every sequence of a tensor must reach in a stored one: a near-copy"
+    )
+    max_senders: int = Field(64, ge=1, description="senders a verifier keeps state for; the oldest is forgotten")
     replacement: Literal["ema", "zero", "drop"] = Field(
         "drop", description="what replaces a flagged activation (downstream replicas trained on EMA noise drift)"
     )

@@ -50,6 +50,7 @@ class DemoSettings:
     metrics: bool = True  # every node serves Prometheus metrics on a free port
     state: bool = False  # stages keep checkpoints in WORKDIR/state/NAME
     checkpoint_every: int = 10
+    trusted_verifiers: bool = True  # False: an open verifier set, where a ban takes two verifiers (ban_quorum 2)
 
 
 class AttackerInfo(BaseModel):
@@ -166,13 +167,11 @@ class Demo:
             verifier_ids.append(identity.peer_id)
         organiser = self.organiser_path()
         self.organiser = load_identity_file(organiser) if organiser.exists() else create_identity_file(organiser)
-        trust = {
-            "organiser": self.organiser.public_key.decode(),
-            "trusted_verifiers": verifier_ids,
-            "ban_quorum": 1,
-            "open_trainers": False,
-            "open_verifiers": False,
-        }
+        trust = {"organiser": self.organiser.public_key.decode(), "open_trainers": False}
+        if settings.trusted_verifiers:
+            trust |= {"trusted_verifiers": verifier_ids, "ban_quorum": 1, "open_verifiers": False}
+        else:  # an open verifier set: anyone may verify, a ban takes two verifiers seen for min_voter_age
+            trust |= {"trusted_verifiers": [], "ban_quorum": 2, "open_verifiers": True}
         self.config = base.with_overrides(swarm=trust)
         (self.workdir / "swarm.yaml").write_text(yaml.safe_dump(self.config.model_dump(), sort_keys=False))
 

@@ -12,6 +12,7 @@ import torch
 from sentinel_node.attacks import (
     BASIC_ATTACKS,
     CATALOGUE,
+    FAMILIES,
     Attacker,
     AttackError,
     load_attack_file,
@@ -62,7 +63,8 @@ def relative_norm(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_the_catalogue_holds_the_designed_attacks():
-    assert set(CATALOGUE) == {*BASIC_ATTACKS, "mixed", "adaptive"}
+    assert set(CATALOGUE) == {*BASIC_ATTACKS, "mixed", "adaptive", *FAMILIES}
+    assert not set(FAMILIES) & {*BASIC_ATTACKS, "mixed", "adaptive"}  # families written outside the catalogue
     assert set(BASIC_ATTACKS) == {"constant", "random", "scale", "sign_flip", "delay", "bias", "invisible_noise"}
 
 

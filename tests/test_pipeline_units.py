@@ -163,8 +163,8 @@ def test_malformed_tensors_are_told_from_statistical_flags_by_kind_not_by_reason
     assert malformed.malformed and malformed.flagged and malformed.reason == "non-finite values"
     metric = Verdict(VerdictKind.METRIC, None, struck=True, over=("l2", "wasserstein"))
     assert not metric.malformed and metric.flagged and metric.reason == "metric:l2,wasserstein"
-    unstruck = Verdict(VerdictKind.DRIFT, None, struck=False)
-    assert not unstruck.malformed and unstruck.reason == "drift (boundary-wide shift: no strike)"
+    peer = Verdict(VerdictKind.PEER, None, struck=True, over=("l2",))
+    assert not peer.malformed and peer.flagged and peer.reason.startswith("peer:l2 ")
     # a malformed tensor of a tainted microbatch is replaced without being judged
     skipped = Verdict(VerdictKind.SKIPPED, None, problem="shape (1, 2) is not (batch, tokens, 8)")
     assert skipped.malformed and not skipped.flagged and skipped.skipped

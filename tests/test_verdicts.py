@@ -1,7 +1,7 @@
 """Verdicts are typed: what a check decided is its kind, never a string to be parsed (issue 15's bug).
 
-A drift flag during a boundary-wide shift gives no strike; its display reason says so, and that must not turn it
-into a malformed tensor for the verifier role or drop it from the simulator's drift count.
+A flag of the peer test and a replay say why in their display reason; that must not turn them into a malformed
+tensor for the verifier role, and the simulator counts each under its own kind.
 """
 
 from __future__ import annotations
@@ -47,40 +47,44 @@ def activations() -> list[torch.Tensor]:
     return found
 
 
-def drift_under_a_shift(activations):
-    """Checks two senders that both drift (a moderate bias, far inside the fences) until a drift flag comes while
-    the whole boundary has moved; returns (that verdict, every verdict in order)."""
+def flags_of_each_kind(activations) -> list:
+    """Four senders of one boundary: "d" sends half its tensors (inside the fences, unlike its peers) from the
+    20th check on, and at the 60th a copy of the 50th tensor. Returns every verdict in order."""
     import dataclasses
 
     base = load_config().verification.monitor_settings("activation", seed=0)
-    settings = dataclasses.replace(base, warmup=30, fence_k=50.0, drift_window=4, drift_limit=0.02, shift_window=64)
-    monitor = BoundaryMonitor(settings, HIDDEN, expected_shape=SHAPE)
-    for i, tensor in enumerate(activations[:30]):
-        assert not monitor.check(tensor, "ab"[i % 2]).flagged
+    monitor = BoundaryMonitor(dataclasses.replace(base, warmup=30), HIDDEN, expected_shape=SHAPE)
     verdicts = []
-    for i, tensor in enumerate(activations[30:]):
-        verdict = monitor.check(attacks.bias(tensor, 0, {}, offset=0.5), "ab"[i % 2])
-        verdicts.append(verdict)
-        if verdict.flagged and not verdict.struck:
-            return verdict, verdicts
-    raise AssertionError(f"no unstruck drift flag in {len(verdicts)} checks")
+    for i, tensor in enumerate(activations):
+        sender = "abcd"[i % 4]
+        if i == 60:
+            sent, sender = activations[50].clone(), "c"
+        elif sender == "d" and i >= 20:
+            sent = attacks.scale(tensor, i, {}, sigma=0.5)
+        else:
+            sent = tensor
+        verdicts.append(monitor.check(sent, sender, content=i))
+    return verdicts
 
 
-def test_a_drift_flag_during_a_boundary_wide_shift_is_drift_without_a_strike(activations):
-    verdict, verdicts = drift_under_a_shift(activations)
+def test_peer_and_replay_flags_are_their_own_kinds_and_never_malformed(activations):
     from sentinel_node.verification import VerdictKind
 
-    assert verdict.kind is VerdictKind.DRIFT and not verdict.malformed
-    assert "no strike" in verdict.reason  # the display text still tells a person why
-    struck = [v for v in verdicts if v.flagged and v.struck]
-    assert struck and all(v.kind is VerdictKind.DRIFT for v in struck)
+    verdicts = flags_of_each_kind(activations)
+    peer = [v for v in verdicts if v.kind is VerdictKind.PEER]
+    assert peer and all(v.struck and not v.malformed and v.over and v.peer is not None for v in peer)
+    assert all(v.reason.startswith("peer:") for v in peer)
+    replay = verdicts[60]
+    assert replay.kind is VerdictKind.REPLAY and replay.blatant and not replay.malformed
+    assert replay.replay.age == 10 and replay.reason.startswith("replay")
 
 
-def test_the_simulator_counts_every_drift_flag_as_drift(activations):
-    _, verdicts = drift_under_a_shift(activations)
+def test_the_simulator_counts_every_flag_under_its_kind(activations):
+    from sentinel_node.verification import VerdictKind
+
+    verdicts = flags_of_each_kind(activations)
     stats = DetectionStats()
     for verdict in verdicts:
         stats.record("activation", True, verdict)
-    flagged = sum(v.flagged for v in verdicts)
-    assert flagged >= 3
-    assert stats.metric_hits["activation", True, "drift"] == flagged
+    assert stats.metric_hits["activation", True, "peer"] == sum(v.kind is VerdictKind.PEER for v in verdicts) > 0
+    assert stats.metric_hits["activation", True, "replay"] == 1

@@ -26,13 +26,17 @@ from sentinel_node.verification import (
     METRICS,
     AdaptiveThreshold,
     BoundaryMonitor,
-    DriftTest,
     EmaBaseline,
     MonitorSettings,
+    PeerEvidence,
+    PeerReference,
     Profile,
     Profiler,
+    RecentSenders,
+    ReplaySketcher,
     SenderStrikes,
     VerdictKind,
+    median_profile,
 )
 
 HIDDEN = 32
@@ -234,8 +238,10 @@ def test_nothing_is_flagged_during_warmup_but_malformed_tensors(streams):
     monitor = BoundaryMonitor(settings(), HIDDEN, expected_shape=SHAPE)
     honest = streams.activations[:10]
     garbage = [attacks.constant(x, 0, {}) for x in honest] + [attacks.bias(x, 0, {}, offset=5.0) for x in honest]
-    for tensor in honest + garbage:
-        verdict = monitor.check(tensor, "sender")
+    # each garbage tensor carries its microbatch's tokens: not a replay of the honest one (the replay test would
+    # flag a near-copy of other tokens even in warm-up, as it needs no baseline)
+    for i, tensor in enumerate(honest + garbage):
+        verdict = monitor.check(tensor, "sender", content=i % len(honest))
         assert not verdict.flagged and verdict.warming_up
         assert verdict.tensor is tensor
     assert monitor.accepted == len(honest) + len(garbage) < WARMUP
@@ -246,10 +252,11 @@ def test_attacks_are_flagged_after_warmup(streams):
     monitor = warmed_monitor(streams)
     honest = streams.activations[WARMUP]
     for attack in ("constant", "random", "scale", "sign_flip", "bias", "invisible_noise"):
-        verdict = monitor.check(attacks.CATALOGUE[attack](honest, 0, {"seed": 3}), f"attacker-{attack}")
+        # all made of the same microbatch, so of the same tokens: not replays of each other
+        verdict = monitor.check(attacks.CATALOGUE[attack](honest, 0, {"seed": 3}), f"attacker-{attack}", content=0)
         assert verdict.flagged, f"{attack}: scores {verdict.scores} thresholds {verdict.thresholds}"
-        assert verdict.reason.startswith("metric:")
-        assert set(verdict.reason.removeprefix("metric:").split(",")) <= set(METRICS)
+        assert verdict.kind is VerdictKind.METRIC and verdict.reason.startswith("metric:")
+        assert verdict.over and set(verdict.over) <= set(METRICS)
 
 
 def test_flagged_tensors_never_move_the_baseline(streams):
@@ -354,7 +361,7 @@ def test_an_unknown_replacement_policy_is_rejected():
 
 @pytest.mark.parametrize("strike_limit", [3, 5])
 def test_a_persistent_attacker_is_banned_at_exactly_the_strike_limit(streams, strike_limit):
-    monitor = warmed_monitor(streams, strike_limit=strike_limit)
+    monitor = warmed_monitor(streams, strike_limit=strike_limit, blatant_severity=1e9)  # every flag one strike
     banned_after = []
     for i, tensor in enumerate(streams.activations[WARMUP : WARMUP + strike_limit + 2]):
         verdict = monitor.check(attacks.constant(tensor, i, {}), "attacker")
@@ -364,6 +371,16 @@ def test_a_persistent_attacker_is_banned_at_exactly_the_strike_limit(streams, st
     assert banned_after.index(True) == strike_limit - 1
     assert all(banned_after[strike_limit - 1 :])
     assert monitor.ledger.banned() == ["attacker"]
+
+
+def test_blatant_flags_weigh_two_strikes(streams):
+    monitor = warmed_monitor(streams)
+    seen = []  # the sender's record is live: read its strikes right after each check
+    for tensor in streams.activations[WARMUP : WARMUP + 2]:
+        verdict = monitor.check(attacks.constant(tensor, 0, {}), "attacker")
+        assert verdict.blatant and verdict.severity >= monitor.settings.blatant_severity
+        seen.append((verdict.sender.strikes, verdict.banned))
+    assert seen == [(2, False), (4, True)]
 
 
 def glitching_sender(streams: HonestStreams, every: int, **overrides) -> BoundaryMonitor:
@@ -514,75 +531,217 @@ def test_an_unknown_fence_space_is_rejected():
         AdaptiveThreshold(window=8, k=3.0, floor=0.0, space="log")
 
 
-# --- the drift test ------------------------------------------------------------------------------------------------
+# --- the reference: the senders' median ----------------------------------------------------------------------------
+
+SENDERS = ("a", "b", "c", "d")
 
 
-def test_drift_flags_a_sender_that_stays_above_the_limit_for_a_window():
-    drift = DriftTest(window=16, limit=0.5)
-    verdicts = [drift.observe("hugger", 0.8) for _ in range(32)]
-    assert [i for i, flagged in enumerate(verdicts) if flagged] == [15, 31]  # one flag per full window
+def test_the_peer_reference_is_the_median_with_an_equal_share_per_sender(streams):
+    profiler = make_profiler()
+    reference = PeerReference(pool=8, horizon=100, max_senders=16)
+    profiles = [profiler(t) for t in streams.activations[:12]]
+    for i, profile in enumerate(profiles):
+        reference.observe(SENDERS[i % 4], profile)
+    # four senders, a pool of eight: the last two profiles of each
+    expected = median_profile(profiles[4:])
+    assert all(torch.equal(a, b) for a, b in zip(reference.reference().fields(), expected.fields(), strict=True))
+    # fewer than three live senders: no majority, no reference
+    lonely = PeerReference(pool=8, horizon=100, max_senders=16)
+    for i, profile in enumerate(profiles):
+        lonely.observe("ab"[i % 2], profile)
+    assert lonely.reference() is None
 
 
-def test_drift_does_not_flag_a_sender_scattered_around_zero():
-    drift = DriftTest(window=16, limit=0.5)
-    rng = random.Random(6)
-    assert not any(drift.observe("honest", rng.gauss(0.0, 0.4)) for _ in range(2000))
+def test_a_minority_cannot_walk_the_peer_reference(streams):
+    """One sender in four drifts a little further each check (a bias growing to 2 RMS): the EMA of everything
+    accepted follows it, the senders' median does not."""
+    profiler, stream = make_profiler(), streams.activations
+    honest = PeerReference(pool=12, horizon=100, max_senders=16)
+    walked = PeerReference(pool=12, horizon=100, max_senders=16)
+    ema = EmaBaseline(0.9)
+    for i, tensor in enumerate(stream[:160]):
+        sender = SENDERS[i % 4]
+        sent = attacks.bias(tensor, 0, {}, offset=2.0 * i / 160) if sender == "d" else tensor
+        honest.observe(sender, profiler(tensor))
+        walked.observe(sender, profiler(sent))
+        ema.update(profiler(sent))
+    truth = honest.reference()
+    moved = METRICS["l1"](walked.reference(), truth)
+    dragged = METRICS["l1"](ema.reference, truth)
+    assert dragged > 0.2 and moved < dragged / 4, (moved, dragged)
 
 
-def test_drift_keeps_senders_apart_and_caps_one_absurd_severity():
-    drift = DriftTest(window=16, limit=0.5)
-    flagged = {"hugger": 0, "honest": 0}
-    for i in range(64):
-        flagged["hugger"] += drift.observe("hugger", 0.7)
-        flagged["honest"] += drift.observe("honest", 1000.0 if i == 20 else 0.0)
-    assert flagged == {"hugger": 4, "honest": 0}
-
-
-def test_drift_with_an_empty_window_is_disabled():
-    drift = DriftTest(window=0, limit=0.5)
-    assert not drift.enabled
-    assert not any(drift.observe("hugger", 2.0) for _ in range(100))
-
-
-# --- boundary-wide shifts ------------------------------------------------------------------------------------------
-
-
-def test_a_shift_of_most_senders_together_is_widespread():
-    from sentinel_node.verification.shift import BoundaryShift
-
-    shift = BoundaryShift(window=32)
-    for _ in range(4):
-        for sender in ("a", "b", "c", "d"):
-            shift.observe(sender, flagged=sender in ("a", "b"))
-    assert shift.widespread()
-
-
-def test_one_cheating_sender_and_a_single_honest_glitch_are_not_widespread():
-    from sentinel_node.verification.shift import BoundaryShift
-
-    shift = BoundaryShift(window=32)
-    for i in range(6):
-        for sender in ("cheat", "b", "c", "d"):
-            shift.observe(sender, flagged=sender == "cheat" or (sender == "b" and i == 3))
-    assert not shift.widespread()
-
-
-def test_a_flag_during_a_boundary_wide_shift_strikes_no_one(streams):
-    monitor = BoundaryMonitor(settings("activation", shift_window=16), HIDDEN, expected_shape=SHAPE)
-    senders = ("a", "b", "c", "d")
-    for i, tensor in enumerate(streams.activations[:WARMUP]):
-        monitor.check(tensor, senders[i % 4])
-    zeros = torch.zeros(SHAPE)
-    seen = []  # the sender's record is live: read its strikes right after each check
-    for i in range(6):
-        verdict = monitor.check(zeros, senders[i % 2])
-        seen.append((verdict.flagged, verdict.sender.strikes, "no strike" in verdict.reason))
-    # a and b flagged twice each: half the senders moved together from the fourth flag on, so no more strikes
-    assert seen == [(True, 1, False), (True, 1, False), (True, 2, False)] + [
-        (True, 1, True),
-        (True, 2, True),
-        (True, 1, True),
+def test_a_shift_of_every_sender_is_followed_and_strikes_no_one(streams):
+    """Every sender moves at once (a bias of 0.5 RMS: honest stages retrained by an attack upstream look like
+    this): the median moves with them, so after the first flags nobody is struck again, and nobody is banned."""
+    monitor = BoundaryMonitor(settings("activation"), HIDDEN, expected_shape=SHAPE)
+    stream = streams.activations
+    for i, tensor in enumerate(stream[:WARMUP]):
+        monitor.check(tensor, SENDERS[i % 4])
+    verdicts = [
+        monitor.check(attacks.bias(t, 0, {}, offset=0.5), SENDERS[i % 4]) for i, t in enumerate(stream[WARMUP:])
     ]
+    late = verdicts[len(SENDERS) * 8 :]
+    assert len(late) > 100
+    assert sum(v.flagged for v in late) <= 2, [v.reason for v in late if v.flagged]
+    assert not monitor.ledger.banned()
+
+
+# --- evidence against peers ----------------------------------------------------------------------------------------
+
+
+def peer_stream(streams, direction: str, attack=None, attacker: str = "d", **overrides) -> list:
+    """The honest stream dealt round-robin to four senders (replicas of one stage); `attacker` sends `attack` of its
+    share from the end of warm-up on. Returns [(sender, verdict)]."""
+    monitor = BoundaryMonitor(settings(direction, **overrides), HIDDEN, expected_shape=SHAPE)
+    found = []
+    for i, tensor in enumerate(streams.of(direction)):
+        sender = SENDERS[i % 4]
+        if attack is not None and sender == attacker and i >= WARMUP:
+            tensor = attack(tensor, i)
+        found.append((sender, monitor.check(tensor, sender)))
+    return found
+
+
+@pytest.mark.parametrize("direction", ["activation", "gradient"])
+def test_honest_peers_raise_no_peer_alarm_over_a_long_stream(streams, direction):
+    verdicts = peer_stream(streams, direction)
+    assert not [v.reason for _, v in verdicts if v.kind is VerdictKind.PEER]
+    assert sum(v.flagged for _, v in verdicts) <= 2
+
+
+MODERATE = [
+    ("activation", "half the tensor", lambda x, i: attacks.scale(x, i, {}, sigma=0.5)),
+    (
+        "activation",
+        "a tenth of the signs flipped",
+        lambda x, i: attacks.sparse_sign_flip(x, i, {"seed": i}, fraction=0.1),
+    ),
+    ("gradient", "half the gradient", lambda x, i: attacks.scale(x, i, {}, sigma=0.5)),
+    (
+        "gradient",
+        "noise of half its norm",
+        lambda x, i: attacks.gaussian_noise(x, i, {"seed": i}, fraction=0.5),
+    ),
+]
+
+
+@pytest.mark.parametrize("direction, attack", [(d, a) for d, _, a in MODERATE], ids=[n for _, n, _ in MODERATE])
+def test_a_sender_consistently_unlike_its_peers_is_flagged_by_its_evidence(streams, direction, attack):
+    # the fences opened wide (k = 60): the evidence accumulated against the peers alone flags the attacker
+    verdicts = peer_stream(streams, direction, attack, fence_k=60.0)
+    attacker = [v for sender, v in verdicts[WARMUP:] if sender == "d"]
+    assert sum(v.kind is VerdictKind.PEER for v in attacker) >= 2, [v.reason for v in attacker if v.flagged]
+    assert not any(v.flagged for sender, v in verdicts if sender != "d")
+
+
+@pytest.mark.parametrize("direction, attack", [(d, a) for d, _, a in MODERATE], ids=[n for _, n, _ in MODERATE])
+def test_a_moderate_attacker_among_honest_peers_is_banned_and_they_are_not(streams, direction, attack):
+    verdicts = peer_stream(streams, direction, attack)
+    banned = {sender for sender, v in verdicts if v.banned}
+    assert banned == {"d"}, [(s, v.reason) for s, v in verdicts if v.flagged]
+
+
+def test_peer_evidence_needs_two_other_senders():
+    evidence = PeerEvidence(("m",), pool=64, kappa=0.5, limit=3.0, max_senders=8)
+    # one peer: a sender always far above it is no evidence (which of two is the odd one?)
+    assert not any(
+        evidence.observe(sender, {"m": 10.0 if sender == "x" else 1.0}) for _ in range(50) for sender in "xy"
+    )
+    evidence = PeerEvidence(("m",), pool=64, kappa=0.5, limit=3.0, max_senders=8)
+    alarms = [
+        evidence.observe(sender, {"m": 10.0 if sender == "x" else 1.0 + 0.01 * i})
+        for i in range(50)
+        for sender in "xyz"
+    ]
+    raised = [a for a in alarms if a is not None]
+    assert raised and all(a.metric == "m" for a in raised)
+
+
+# --- replays -------------------------------------------------------------------------------------------------------
+
+
+def test_replay_sketches_are_small_and_the_same_for_every_verifier(streams):
+    tensor = streams.activations[3]
+    first, second = ReplaySketcher(HIDDEN, 16, seed=7)(tensor), ReplaySketcher(HIDDEN, 16, seed=7)(tensor)
+    assert torch.equal(first, second) and first.dtype == torch.float16
+    assert first.numel() * first.element_size() == SHAPE[0] * 16 * 2  # 256 bytes for 8 sequences
+    assert not torch.equal(first, ReplaySketcher(HIDDEN, 16, seed=8)(tensor))
+
+
+@pytest.mark.parametrize("direction", ["activation", "gradient"])
+def test_honest_tensors_are_never_near_copies(streams, direction):
+    verdicts = peer_stream(streams, direction)
+    assert not [v.reason for _, v in verdicts if v.kind is VerdictKind.REPLAY]
+
+
+REPLAYS = [
+    ("exact", lambda old, i: old.clone()),
+    ("with 5% noise", lambda old, i: attacks.gaussian_noise(old, i, {"seed": i}, fraction=0.05)),
+    ("sequences shuffled", lambda old, i: attacks.sequence_shuffle(old, i, {"seed": i}, fraction=1.0)),
+]
+
+
+@pytest.mark.parametrize("direction", ["activation", "gradient"])
+@pytest.mark.parametrize("copy", [fn for _, fn in REPLAYS], ids=[name for name, _ in REPLAYS])
+def test_a_near_copy_of_another_microbatch_is_a_replay_and_blatant(streams, direction, copy):
+    monitor = warmed_monitor(streams, direction)
+    stream = streams.of(direction)
+    for i, tensor in enumerate(stream[WARMUP : WARMUP + 8]):
+        monitor.check(tensor, SENDERS[i % 3], content=i)
+    verdict = monitor.check(copy(stream[WARMUP + 2], 2), "free-rider", content=100)
+    assert verdict.kind is VerdictKind.REPLAY and verdict.blatant and verdict.sender.strikes == 2
+    assert verdict.replay.sender == SENDERS[2] and verdict.replay.age == 6
+    # the same tokens again (a retried microbatch, duplicate computation) are not a replay
+    retried = monitor.check(stream[WARMUP + 3].clone(), "another replica", content=3)
+    assert retried.kind is not VerdictKind.REPLAY
+
+
+# --- weighted strikes, bounded memory -------------------------------------------------------------------------------
+
+
+def test_a_blatant_flag_weighs_two_strikes_and_a_near_miss_one():
+    ledger = SenderStrikes(strike_limit=3, forgive_after=10)
+    assert ledger.record("glitch", True).strikes == 1
+    assert ledger.record("cheat", True, weight=2, blatant=True).strikes == 2
+    assert ledger.record("cheat", True, weight=2, blatant=True).banned  # two blatant flags: banned
+
+
+def test_sparse_blatant_cheating_is_banned_however_sparse_while_an_honest_glitch_is_forgiven():
+    ledger = SenderStrikes(strike_limit=3, forgive_after=10, blatant_limit=3, blatant_forgive_after=1000)
+    for _ in range(3):  # one blatant tensor in 200: its strikes are forgiven in between, its marks are not
+        ledger.record("sparse", True, weight=2, blatant=True)
+        assert not ledger.is_banned("sparse") or ledger.senders["sparse"].blatant == 3
+        for _ in range(199):
+            ledger.record("sparse", False)
+    assert ledger.is_banned("sparse") and ledger.senders["sparse"].blatant == 3
+    for _ in range(3):  # an honest glitch now and then, just over a fence
+        ledger.record("honest", True)
+        for _ in range(199):
+            ledger.record("honest", False)
+    assert not ledger.is_banned("honest") and ledger.senders["honest"].strikes == 0
+
+
+def test_state_per_sender_is_bounded_and_bans_are_kept_apart():
+    ledger = SenderStrikes(strike_limit=1, forgive_after=10, max_senders=8)
+    ledger.record("banned-early", True)
+    for i in range(100):
+        ledger.record(f"sybil-{i}", False)
+    assert len(ledger.senders) == 9 and ledger.is_banned("banned-early")
+    senders = RecentSenders(3, dict)
+    for name in "abcd":
+        senders.get(name)
+    senders.get("b")  # heard from again: the oldest is now c
+    senders.get("e")
+    assert [name for name, _ in senders.items()] == ["d", "b", "e"]
+
+
+def test_a_monitor_fed_by_many_identities_keeps_bounded_state(streams):
+    monitor = BoundaryMonitor(settings(max_senders=8), HIDDEN, expected_shape=SHAPE)
+    for i, tensor in enumerate(streams.activations[:60]):
+        monitor.check(tensor, f"identity-{i}")
+    assert len(monitor.peer_reference.senders) <= 8 and len(monitor.peers.sums) <= 8
+    assert len(monitor.ledger.senders) <= 8
 
 
 # --- the randomized spectral share and the linear-time profile -------------------------------------------------------

@@ -1,32 +1,33 @@
 """`sentinel-node bench detection`: SENTINEL against every attack of the catalogue, in the mesh simulator.
 
 For each (attack, target) three runs on the same seed and data: clean (no attacker, verification on), attacked
-without verification, attacked with SENTINEL. Worker-level precision/recall/F1 count a malicious worker banned by
-the end as a true positive and an honest one banned as a false positive.
+without verification, attacked with SENTINEL; all three share the steps before the attack starts exactly
+(:mod:`sentinel_node.bench.runner`). Worker-level precision/recall/F1 count a malicious worker banned by the end as
+a true positive and an honest one banned as a false positive. `--suite sweep` (:mod:`sentinel_node.bench.sweep`)
+runs attack families with a strength instead.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 from hivemind.utils.logging import get_logger
 
 from sentinel_node.attacks import BASIC_ATTACKS, CATALOGUE, load_attack_file, make_attack
+from sentinel_node.bench.runner import RunSpec, run_all
 from sentinel_node.config import Config
-from sentinel_node.model import Corpus, load_corpus
-from sentinel_node.sim import AttackPlan, Mesh, SimResult
+from sentinel_node.model import load_corpus
+from sentinel_node.sim import AttackPlan, SimResult
 from sentinel_node.sim.run import attack_plan
 
 logger = get_logger(__name__)
 
 TARGETS = ("activation", "gradient")
 
-# quick: finishes within 5 minutes on 2 cores; full: the DESIGN measurement's model, longer, a larger mesh
+# quick: the catalogue finishes within 5 minutes on 2 cores; full: the DESIGN measurement's model, a larger mesh
 PROFILES: dict[str, dict[str, dict]] = {
     "quick": {
         "model": {"hidden_size": 64, "intermediate_size": 172},
@@ -38,6 +39,10 @@ PROFILES: dict[str, dict[str, dict]] = {
         "sim": {"steps": 400, "attack_start": 150, "replicas": 8, "eval_every": 20},
     },
 }
+
+# CPU seconds one global step of one run takes here (2 otherwise idle cores, one run per core), measured with
+# `bench detection`; the upfront estimate of a benchmark's time is built from them
+STEP_SECONDS = {"quick": 0.45, "full": 1.5}
 
 
 @dataclass(frozen=True)
@@ -65,14 +70,20 @@ def _plan(case: Case, config: Config) -> AttackPlan:
     return attack_plan(config, case.name, None, case.target)
 
 
-def _run(args: tuple[Config, Corpus, Case | None, bool]) -> SimResult:
-    config, corpus, case, verify = args
-    torch.set_num_threads(1)  # one run per core beats one run on two
-    plan = _plan(case, config) if case is not None else None
-    return Mesh(config, corpus, plan, verify=verify).run()
+def _watches_honest(case: Case, config: Config) -> bool:
+    """Whether the attack learns from honest tensors before it starts (then its runs branch off at step 0)."""
+    return any(getattr(_plan(case, config).make(d), "observes_honest", False) for d in TARGETS)
 
 
-def summarize(case: Case, defended: SimResult, undefended: SimResult, clean: SimResult) -> dict:
+def estimate_minutes(profile: str, steps: int, specs: list[RunSpec], workers: int) -> float:
+    """How long the runs take here: the shared prefix in one process, then the rest spread over the workers."""
+    prefix = max((spec.branch for spec in specs), default=0)
+    rest = (steps - prefix) + sum(steps - spec.branch for spec in specs)
+    return STEP_SECONDS[profile] * (prefix + rest / max(1, min(workers, 2))) / 60
+
+
+def worker_scores(defended: SimResult) -> dict:
+    """Worker-level precision, recall and F1 of the bans, and how long they took."""
     malicious, honest = set(defended.malicious), set(defended.honest)
     banned = set(defended.banned_at)
     tp, fp = len(banned & malicious), len(banned & honest)
@@ -80,40 +91,70 @@ def summarize(case: Case, defended: SimResult, undefended: SimResult, clean: Sim
     recall = tp / len(malicious) if malicious else 1.0
     f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
     to_ban = [defended.banned_at[w] for w in banned & malicious]
-    flag_precision, flag_recall = defended.stats.precision_recall(case.target)
     return {
-        "name": case.name,
-        "target": case.target,
         "precision": round(precision, 4),
         "recall": round(recall, 4),
         "f1": round(f1, 4),
         "honest_banned": fp,
         "honest_banned_ids": sorted(banned & honest),
         "malicious": sorted(malicious),
+        "bans": {w: {"step": s, "microbatches": m} for w, (s, m) in sorted(defended.banned_at.items())},
         "microbatches_to_ban": statistics.median(m for _, m in to_ban) if to_ban else None,
-        "steps_to_ban": statistics.median(s for s, _ in to_ban) if to_ban else None,
+        "steps_to_ban": statistics.median(s - defended.attack_start + 1 for s, _ in to_ban) if to_ban else None,
+        "honest_max_strikes": defended.honest_max_strikes,
+    }
+
+
+def summarize(case: Case, defended: SimResult, undefended: SimResult, clean: SimResult) -> dict:
+    flag_precision, flag_recall = defended.stats.precision_recall(case.target)
+    return {
+        "name": case.name,
+        "target": case.target,
+        **worker_scores(defended),
         "flag_precision": None if flag_precision is None else round(flag_precision, 4),
         "flag_recall": None if flag_recall is None else round(flag_recall, 4),
         "metric_flag_rates": {
             "attacked": _rounded(defended.stats.metric_rates(case.target, True)),
             "honest": _rounded(defended.stats.metric_rates(case.target, False)),
         },
-        "honest_max_strikes": defended.honest_max_strikes,
         "val_loss": {
             "clean": round(clean.final_val_loss, 4),
             "undefended": round(undefended.final_val_loss, 4),
             "defended": round(defended.final_val_loss, 4),
         },
+        "attack_start": defended.attack_start,
         "curves": {
             "clean": clean.val_curve,
             "undefended": undefended.val_curve,
             "defended": defended.val_curve,
         },
+        "timeline": [asdict(c) for c in defended.timeline],
     }
 
 
 def _rounded(rates: dict[str, float]) -> dict[str, float]:
     return {k: round(v, 4) for k, v in rates.items()}
+
+
+def clean_summary(clean: SimResult) -> dict:
+    return {
+        "val_loss": round(clean.final_val_loss, 4),
+        "honest_banned": len(clean.banned_at),
+        "honest_max_strikes": clean.honest_max_strikes,
+        "flags": clean.stats.flags,
+        "checks": clean.stats.checked(),
+        "curve": clean.val_curve,
+    }
+
+
+def mesh_summary(config: Config) -> dict:
+    return {
+        "stages": config.pipeline.n_stages,
+        "replicas": config.sim.replicas,
+        "steps": config.sim.steps,
+        "attack_start": config.sim.attack_start,
+        "microbatches_per_step": config.pipeline.microbatches_per_step,
+    }
 
 
 def run_detection(
@@ -123,57 +164,60 @@ def run_detection(
     attack_file: str | None = None,
     workers: int = 2,
     progress: Callable[[str], None] | None = None,
+    bar: bool = False,
 ) -> dict:
-    """Runs the benchmark and returns {"profile", "config_hash", "clean", "attacks": [...]}."""
+    """Runs the benchmark and returns {"profile", "config_hash", "mesh", "clean", "attacks": [...]}.
+
+    `progress` gets the plan with its estimated time, then a line per finished run; `bar` shows a progress bar."""
     config = config.with_overrides(**PROFILES[profile])
     selected = cases(attacks, attack_file)
     corpus = load_corpus(config.data.path, config.data.val_fraction, config.data.max_bytes)
-    jobs = [(config, corpus, None, True)]
+    start = config.sim.attack_start
+    specs = []
     for case in selected:
-        jobs += [(config, corpus, case, False), (config, corpus, case, True)]
-    results: list[SimResult] = []
-    context = multiprocessing.get_context("fork")  # workers share the corpus already in memory
-    with context.Pool(max(1, workers)) as pool:
-        for i, result in enumerate(pool.imap(_run, jobs)):
-            results.append(result)
-            if progress is not None:
-                progress(f"run {i + 1}/{len(jobs)} done")
-    clean = results[0]
-    rows = [summarize(case, results[2 + 2 * i], results[1 + 2 * i], clean) for i, case in enumerate(selected)]
+        branch = 0 if _watches_honest(case, config) else start
+        plan = _case_plan(case, config)
+        for verify in (False, True):
+            label = f"{case.name} on {case.target}s, {'defended' if verify else 'undefended'}"
+            specs.append(RunSpec(label, plan, verify, start, branch))
+    if progress is not None:
+        minutes = estimate_minutes(profile, config.sim.steps, specs, workers)
+        progress(
+            f"bench detection, {profile} profile: {len(specs) + 1} runs of {config.sim.steps} steps "
+            f"({len(selected)} attacks x undefended/defended, and a clean run); about {minutes:.0f} min on 2 "
+            "otherwise idle cores here"
+        )
+    clean, results, step_cpu = run_all(config, corpus, specs, workers, progress=None if bar else progress, bar=bar)
+    rows = [summarize(case, results[2 * i + 1], results[2 * i], clean) for i, case in enumerate(selected)]
     return {
+        "suite": "catalogue",
         "profile": profile,
         "config_hash": config.swarm_hash(),
-        "mesh": {
-            "stages": config.pipeline.n_stages,
-            "replicas": config.sim.replicas,
-            "steps": config.sim.steps,
-            "attack_start": config.sim.attack_start,
-            "microbatches_per_step": config.pipeline.microbatches_per_step,
-        },
-        "clean": {
-            "val_loss": round(clean.final_val_loss, 4),
-            "honest_banned": len(clean.banned_at),
-            "honest_max_strikes": clean.honest_max_strikes,
-            "flags": clean.stats.flags,
-            "checks": clean.stats.checked(),
-        },
+        "mesh": mesh_summary(config),
+        "cpu_s_per_step": None if step_cpu is None else round(step_cpu, 3),
+        "clean": clean_summary(clean),
         "attacks": rows,
     }
+
+
+def _case_plan(case: Case, config: Config) -> Callable[[], AttackPlan]:
+    return lambda: _plan(case, config)
 
 
 def table(report: dict) -> str:
     """A readable table of a report."""
     header = (
         f"{'attack':<16} {'target':<10} {'prec':>5} {'recall':>6} {'F1':>5} {'honest':>6} {'mb→ban':>7} "
-        f"{'flagP':>6} {'flagR':>6} {'clean':>6} {'undef':>6} {'def':>6}"
+        f"{'st→ban':>6} {'flagP':>6} {'flagR':>6} {'clean':>6} {'undef':>6} {'def':>6}"
     )
     lines = [header, "-" * len(header)]
     for row in report["attacks"]:
         v = row["val_loss"]
         lines.append(
             f"{row['name']:<16} {row['target']:<10} {row['precision']:>5.2f} {row['recall']:>6.2f} {row['f1']:>5.2f} "
-            f"{row['honest_banned']:>6d} {_fmt(row['microbatches_to_ban']):>7} {_fmt(row['flag_precision']):>6} "
-            f"{_fmt(row['flag_recall']):>6} {v['clean']:>6.3f} {v['undefended']:>6.3f} {v['defended']:>6.3f}"
+            f"{row['honest_banned']:>6d} {_fmt(row['microbatches_to_ban']):>7} {_fmt(row['steps_to_ban']):>6} "
+            f"{_fmt(row['flag_precision']):>6} {_fmt(row['flag_recall']):>6} "
+            f"{v['clean']:>6.3f} {v['undefended']:>6.3f} {v['defended']:>6.3f}"
         )
     c = report["clean"]
     lines.append(
@@ -190,26 +234,16 @@ def _fmt(value) -> str:
 
 
 def plot(report: dict, out: Path) -> list[Path]:
-    """One PNG per (attack, target): validation loss of the clean, undefended and defended runs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """One PNG per (attack, target): validation loss of the clean, undefended and defended runs, their difference to
+    clean, and the defended run's flags and strikes per step (honest senders and attackers apart), with the attack
+    start and each ban marked."""
+    from sentinel_node.bench.plots import plot_run
 
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for row in report["attacks"]:
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        for label, style in (("clean", "-"), ("undefended", "--"), ("defended", "-.")):
-            steps, losses = zip(*row["curves"][label], strict=True)
-            ax.plot(steps, losses, style, label=label)
-        ax.axvline(report["mesh"]["attack_start"], color="grey", lw=0.8, ls=":")
-        ax.set(title=f"{row['name']} on {row['target']}s", xlabel="global step", ylabel="validation loss")
-        ax.legend()
-        fig.tight_layout()
         path = out / f"val_loss_{row['name']}_{row['target']}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        plot_run(row, f"{row['name']} on {row['target']}s ({report['profile']} profile)", path)
         paths.append(path)
     return paths
 

@@ -122,39 +122,67 @@ def bench() -> None:
 
 @bench.command()
 @config_option
-@click.option("--quick", is_flag=True, help="The profile that finishes within 5 minutes on 2 cores.")
+@click.option("--quick", is_flag=True, help="The quick profile (the catalogue in about 5 minutes on 2 cores).")
+@click.option(
+    "--suite",
+    type=click.Choice(["catalogue", "sweep", "honest"]),
+    default="catalogue",
+    show_default=True,
+    help="catalogue: every attack of the catalogue; sweep: attack families with a strength, F1 and damage per "
+    "point; honest: one long run without an attacker (false alarms).",
+)
+@click.option("--steps", type=click.IntRange(min=1), help="honest: global steps (default 1000).")
 @click.option("--attack", "attacks", multiple=True, type=_attack_choice(), help="Only this attack (repeatable).")
+@click.option("--family", "families", multiple=True, help="sweep: only this family (repeatable).")
 @click.option("--attack-file", help="A red team's own attack, PATH.py:NAME; run on activations and on gradients.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/bench", show_default=True, help="PNGs, JSON.")
 @click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="Runs in parallel.")
-def detection(config_path, quick, attacks, attack_file, as_json, out, workers) -> None:
-    """SENTINEL against every attack: worker-level F1, flag rates, time to ban, validation loss."""
+def detection(config_path, quick, suite, steps, attacks, families, attack_file, as_json, out, workers) -> None:
+    """SENTINEL against attacks in the simulator: worker-level F1, time to ban, flags, validation loss."""
     import json
+    import sys
     from pathlib import Path
 
     from sentinel_node.attacks import AttackError
-    from sentinel_node.bench.detection import plot, run_detection, table
+    from sentinel_node.bench import detection as catalogue
+    from sentinel_node.bench import honest, sweep
 
+    if suite != "catalogue" and (attacks or attack_file):
+        raise click.UsageError("--attack and --attack-file choose catalogue runs (--suite catalogue)")
+    if suite != "sweep" and families:
+        raise click.UsageError("--family chooses sweep families; add --suite sweep")
+    if suite != "honest" and steps:
+        raise click.UsageError("--steps sets the length of the honest run; add --suite honest")
     config = load(config_path)
+    profile = "quick" if quick else "full"
+    echo = None if as_json else lambda line: click.echo(line, err=True)
+    bar = not as_json and sys.stderr.isatty()
     try:
-        report = run_detection(
-            config,
-            profile="quick" if quick else "full",
-            attacks=list(attacks) or None,
-            attack_file=attack_file,
-            workers=workers,
-            progress=None if as_json else lambda line: click.echo(line, err=True),
-        )
-    except (AttackError, FileNotFoundError) as e:
+        if suite == "sweep":
+            report = sweep.run_sweep(config, profile, list(families) or None, workers, progress=echo, bar=bar)
+        elif suite == "honest":
+            report = honest.run_honest(config, profile, steps or 1000, progress=echo)
+        else:
+            report = catalogue.run_detection(
+                config, profile, list(attacks) or None, attack_file, workers, progress=echo, bar=bar
+            )
+    except (AttackError, FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    module = sweep if suite == "sweep" else catalogue
     out_dir = Path(out)
-    plot(report, out_dir)
-    (out_dir / "detection.json").write_text(json.dumps(report, indent=2))
-    printable = {**report, "attacks": [{k: v for k, v in row.items() if k != "curves"} for row in report["attacks"]]}
-    click.echo(json.dumps(printable, indent=2) if as_json else table(report))
+    module.plot(report, out_dir)
+    name = f"{'sweep' if suite == 'sweep' else 'detection'}.json"
+    (out_dir / name).write_text(json.dumps(report, indent=2))
+    rows = "points" if suite == "sweep" else "attacks"
+    printable = {
+        **report,
+        rows: [{k: v for k, v in r.items() if k not in ("curves", "timeline")} for r in report[rows]],
+    }
+    printable["clean"] = {k: v for k, v in report["clean"].items() if k != "curve"}
+    click.echo(json.dumps(printable, indent=2) if as_json else module.table(report))
     if not as_json:
-        click.echo(f"plots and detection.json in {out_dir}/")
+        click.echo(f"{'plots and ' if rows else ''}{name} in {out_dir}/")
 
 
 @bench.command()

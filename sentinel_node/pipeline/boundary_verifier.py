@@ -31,7 +31,13 @@ class BoundaryVerifier:
         device: str | torch.device = "cpu",
     ):
         self.enabled = enabled
-        self.ledger = SenderStrikes(config.strike_limit, config.forgive_after)
+        self.ledger = SenderStrikes(
+            config.strike_limit,
+            config.forgive_after,
+            config.blatant_limit,
+            config.blatant_forgive_after,
+            config.max_senders,
+        )
         self.monitors: dict[tuple[int, str], BoundaryMonitor] = {
             (boundary, direction): BoundaryMonitor(
                 config.monitor_settings(direction, seed),
@@ -49,13 +55,23 @@ class BoundaryVerifier:
     def boundaries(self) -> list[int]:
         return sorted({boundary for boundary, _ in self.monitors})
 
-    def check(self, boundary: int, direction: str, tensor: torch.Tensor, sender: str, tainted: bool) -> Verdict:
+    def check(
+        self,
+        boundary: int,
+        direction: str,
+        tensor: torch.Tensor,
+        sender: str,
+        tainted: bool,
+        content: int | None = None,
+    ) -> Verdict:
+        """`content` names the microbatch's tokens (a hash of its targets): two tensors of the same content may be
+        near-copies of each other (a retried microbatch, duplicate computation), of different content never."""
         monitor = self.monitors.get((boundary, direction))
         if monitor is None:
             raise KeyError(f"this verifier does not serve boundary {boundary} ({direction})")
         if not self.enabled:
             return Verdict(VerdictKind.SKIPPED, tensor)
-        return monitor.check(tensor, sender, tainted=tainted)
+        return monitor.check(tensor, sender, tainted=tainted, content=content)
 
     def is_banned(self, sender: str) -> bool:
         return self.ledger.is_banned(sender)

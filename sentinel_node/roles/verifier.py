@@ -58,7 +58,7 @@ from sentinel_node.transport import (
     check_tensors,
 )
 from sentinel_node.transport.server import expected_bytes
-from sentinel_node.verification import Verdict
+from sentinel_node.verification import Verdict, content_of
 
 logger = get_logger(__name__)
 
@@ -382,7 +382,8 @@ class VerifierNode(Node):
         if int(targets.min()) < 0 or int(targets.max()) >= self.shapes.vocab:
             raise HopMalformed(f"targets must be token ids in [0, {self.shapes.vocab})")
 
-        verdict = await self._check(boundary, "activation", activation, caller, tainted=bool(meta.taint))
+        content = content_of(targets)  # near-copies of the same tokens are retries or duplicate computation
+        verdict = await self._check(boundary, "activation", activation, caller, bool(meta.taint), content)
         if verdict.malformed:
             self.stats.malformed += 1
             struck = f"; a strike was recorded against {caller}" if verdict.struck else ""
@@ -418,7 +419,7 @@ class VerifierNode(Node):
 
         # more than one tensor is not a gradient: the core flags a non-tensor as malformed
         gradient = reply.tensors[0] if len(reply.tensors) == 1 else None
-        verdict = await self._check(boundary, "gradient", gradient, reply.peer, tainted=bool(taint))
+        verdict = await self._check(boundary, "gradient", gradient, reply.peer, bool(taint), content)
         if verdict.flagged:
             taint = sorted({*taint, boundary})
         if verdict.malformed:
@@ -432,9 +433,9 @@ class VerifierNode(Node):
         return Answer([verdict.tensor], MicrobatchReply(loss=loss, taint=taint))
 
     async def _check(
-        self, boundary: int, direction: str, tensor: torch.Tensor | None, sender: str, tainted: bool
+        self, boundary: int, direction: str, tensor: torch.Tensor | None, sender: str, tainted: bool, content: int
     ) -> Verdict:
-        verdict, cpu_s = await self.lane.run(self._timed_check, boundary, direction, tensor, sender, tainted)
+        verdict, cpu_s = await self.lane.run(self._timed_check, boundary, direction, tensor, sender, tainted, content)
         self.stats.cpu_s += cpu_s
         if verdict.skipped:
             self.stats.skipped += 1
@@ -454,10 +455,10 @@ class VerifierNode(Node):
         return verdict
 
     def _timed_check(
-        self, boundary: int, direction: str, tensor: torch.Tensor | None, sender: str, tainted: bool
+        self, boundary: int, direction: str, tensor: torch.Tensor | None, sender: str, tainted: bool, content: int
     ) -> tuple[Verdict, float]:
         started = time.thread_time()
-        verdict = self.checker.check(boundary, direction, tensor, sender, tainted)
+        verdict = self.checker.check(boundary, direction, tensor, sender, tainted, content)
         return verdict, time.thread_time() - started
 
     def _maybe_publish(self, boundary: int, direction: str, sender: str, verdict: Verdict) -> None:

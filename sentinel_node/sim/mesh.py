@@ -9,7 +9,9 @@ verifier, as a swarm does with `trusted_verifiers` and a quorum of one).
 
 from __future__ import annotations
 
+import copy
 import random
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -22,7 +24,7 @@ from sentinel_node.config import Config
 from sentinel_node.model.corpus import Corpus, sample_batch, validation_batches
 from sentinel_node.pipeline import BoundaryVerifier, StageWorker
 from sentinel_node.sim.stats import DetectionStats
-from sentinel_node.verification import Verdict
+from sentinel_node.verification import Verdict, content_of
 
 Target = Literal["activation", "gradient", "both"]
 
@@ -70,6 +72,18 @@ class StepLog:
     dropped: int = 0
 
 
+@dataclass(frozen=True)
+class StepCounts:
+    """What verifiers did in one global step, honest senders and attackers apart: flags given in the step, and the
+    most standing strikes any one sender held at its end (in any verifier's ledger)."""
+
+    step: int
+    flags_honest: int
+    flags_attacker: int
+    strikes_honest: int
+    strikes_attacker: int
+
+
 @dataclass
 class SimResult:
     malicious: list[str]
@@ -78,9 +92,11 @@ class SimResult:
     stats: DetectionStats
     val_curve: list[tuple[int, float]]
     train_losses: list[float]
-    honest_max_strikes: int
+    honest_max_strikes: int  # the most strikes an honest worker held at any time
     microbatches: int
     dropped: int
+    attack_start: int = 0
+    timeline: list[StepCounts] = field(default_factory=list)
 
     @property
     def final_val_loss(self) -> float:
@@ -88,7 +104,11 @@ class SimResult:
 
 
 class Mesh:
-    """The mesh for one run; `run()` trains it and returns what happened."""
+    """The mesh for one run; `run()` trains it and returns what happened.
+
+    A mesh trained part of the way can be copied (`fork`) and each copy armed (`arm`) with another attack or without
+    verification: runs that differ only from the attack start on then share everything before it, exactly.
+    """
 
     def __init__(
         self,
@@ -98,7 +118,7 @@ class Mesh:
         verify: bool = True,
         seed: int | None = None,
     ):
-        self.config, self.corpus, self.plan, self.verify = config, corpus, plan, verify
+        self.config, self.corpus = config, corpus
         self.seed = config.swarm.seed if seed is None else seed
         pipe, sim = config.pipeline, config.sim
         self.n_stages = pipe.n_stages
@@ -110,7 +130,6 @@ class Mesh:
             ]
             for k in range(self.n_stages)
         ]
-        self._arm_attackers()
         self.verifiers = [
             [
                 BoundaryVerifier(
@@ -128,13 +147,37 @@ class Mesh:
         ]
         self.excluded: dict[str, tuple[int, int]] = {}
         self.stats = DetectionStats()
-        self.routing = random.Random(self.seed + 1)
         self.data_rng = np.random.default_rng([self.seed, 0xDA7A])
         self.val_batches = validation_batches(corpus, sim.eval_batches, pipe.microbatch_size, pipe.seq_len, self.seed)
         self.eval_stages = [StageWorker(config.model, pipe, k, seed=self.seed).module for k in range(self.n_stages)]
         self.microbatches = 0
         self.attack_microbatches = 0
         self.dropped = 0
+        self.step = 0
+        self.val_curve: list[tuple[int, float]] = []
+        self.train_losses: list[float] = []
+        self._flags_by_step: list[Counter] = []
+        self._strikes_by_step: list[dict[str, int]] = []
+        self._flags: Counter = Counter()
+        self.attack_start = config.sim.attack_start
+        self.arm(plan, verify)
+
+    def arm(self, plan: AttackPlan | None, verify: bool = True, attack_start: int | None = None) -> None:
+        """From now on, malicious replicas run `plan` (from `attack_start`, default the config's) and verifiers
+        check (`verify`) or only relay. Which replicas are malicious depends on the seed alone."""
+        self.plan, self.verify = plan, verify
+        if attack_start is not None:
+            self.attack_start = attack_start
+        for worker in self.all_workers:
+            worker.attackers = {}
+        for verifiers in self.verifiers:
+            for verifier in verifiers:
+                verifier.enabled = verify
+        self._arm_attackers()
+
+    def fork(self) -> Mesh:
+        """A copy to go on with on its own (the corpus is shared, not copied)."""
+        return copy.deepcopy(self, memo={id(self.corpus): self.corpus})
 
     def _arm_attackers(self) -> None:
         if self.plan is None:
@@ -152,7 +195,7 @@ class Mesh:
                     self.plan.target,
                     k,
                     self.n_stages,
-                    start=sim.attack_start,
+                    start=self.attack_start,
                     probability=sim.attack_probability,
                     seed=f"{self.seed}:{worker.id}",
                 )
@@ -165,6 +208,18 @@ class Mesh:
         live = [w for w in self.workers[stage] if w.id not in self.excluded]
         return live or self.workers[stage]
 
+    def _route(self, stage: int, name: str) -> SimWorker:
+        """The replica of `stage` for microbatch `name`: the first live one in an order drawn for that microbatch
+        alone, so excluding a worker moves only its own microbatches and the clean, undefended and defended runs of
+        a benchmark keep every other choice in common (the loss curves then differ by the attack, not by chance)."""
+        replicas = self.workers[stage]
+        order = random.Random(f"{self.seed}:route:{stage}:{name}").sample(replicas, len(replicas))
+        return next((w for w in order if w.id not in self.excluded), order[0])
+
+    def _choose(self, options: list, *key: object):
+        """One of `options`, drawn for `key` alone (the same in every run of this seed)."""
+        return options[random.Random(":".join(map(str, (self.seed, *key)))).randrange(len(options))]
+
     def _check(
         self,
         boundary: int,
@@ -174,21 +229,26 @@ class Mesh:
         attacked: bool,
         tainted: bool,
         step: int,
+        name: str,
+        content: int,
     ) -> Verdict:
-        verifier = self.routing.choice(self.verifiers[boundary])
-        verdict = verifier.check(boundary, direction, tensor, sender.id, tainted)
+        verifier = self._choose(self.verifiers[boundary], "verifier", boundary, name)
+        verdict = verifier.check(boundary, direction, tensor, sender.id, tainted, content=content)
         self.stats.record(direction, attacked, verdict)
+        if verdict.flagged:
+            self._flags[sender.id] += 1
         if verdict.banned and sender.id not in self.excluded:
             self.excluded[sender.id] = (step, self.attack_microbatches)
         return verdict
 
     def _microbatch(self, step: int, name: str, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
-        route = [self.routing.choice(self._live(k)) for k in range(self.n_stages)]
+        route = [self._route(k, name) for k in range(self.n_stages)]
+        content = content_of(targets)
         hidden, tainted, replaced_at = inputs, False, None
         for k in range(self.n_stages - 1):
             sender = route[k]
             sent, attacked = sender.send("activation", sender.worker.forward(name, hidden), step)
-            verdict = self._check(k, "activation", sent, sender, attacked, tainted, step)
+            verdict = self._check(k, "activation", sent, sender, attacked, tainted, step, name, content)
             if verdict.flagged and replaced_at is None:
                 replaced_at = k
             tainted = tainted or verdict.tainted
@@ -204,7 +264,7 @@ class Mesh:
                 self._drop(route[:k], name)
                 return loss
             sent, attacked = route[k].send("gradient", grad, step)
-            verdict = self._check(boundary, "gradient", sent, route[k], attacked, tainted, step)
+            verdict = self._check(boundary, "gradient", sent, route[k], attacked, tainted, step, name, content)
             tainted = tainted or verdict.tainted
             if verdict.tensor is None or tuple(verdict.tensor.shape) != self.shape:
                 self._drop(route[:k], name)
@@ -242,16 +302,21 @@ class Mesh:
         return float(np.mean(losses))
 
     def run(self, steps: int | None = None, on_step: Callable[[StepLog], None] | None = None) -> SimResult:
+        """Trains up to global step `steps` (default the config's) from where the mesh is, and says what happened."""
+        self.advance(self.config.sim.steps if steps is None else steps, on_step)
+        return self.result()
+
+    def advance(self, until: int, on_step: Callable[[StepLog], None] | None = None) -> None:
+        """Trains global steps from the current one up to (not including) `until`; the last one is evaluated."""
         pipe, sim = self.config.pipeline, self.config.sim
-        steps = sim.steps if steps is None else steps
-        val_curve = [(0, self.validation_loss())]
-        train_losses = []
-        for step in range(steps):
+        if not self.val_curve:
+            self.val_curve.append((0, self.validation_loss()))
+        for step in range(self.step, until):
             losses = []
             for m in range(pipe.microbatches_per_step):
                 inputs, targets = sample_batch(self.corpus.train, pipe.microbatch_size, pipe.seq_len, self.data_rng)
                 self.microbatches += 1
-                self.attack_microbatches += int(step >= sim.attack_start)
+                self.attack_microbatches += int(step >= self.attack_start)
                 loss = self._microbatch(step, f"{step}:{m}", inputs, targets)
                 if loss is not None:
                     losses.append(loss)
@@ -259,16 +324,27 @@ class Mesh:
                 worker.worker.step(step)
             if (step + 1) % pipe.average_every == 0:
                 self._average()
-            train_losses.append(float(np.mean(losses)) if losses else float("nan"))
+            self.train_losses.append(float(np.mean(losses)) if losses else float("nan"))
+            self._flags_by_step.append(self._flags)
+            self._flags = Counter()
+            self._strikes_by_step.append(self._standing_strikes())
             val = None
-            if (step + 1) % sim.eval_every == 0 or step == steps - 1:
+            if (step + 1) % sim.eval_every == 0 or step == until - 1:
                 val = self.validation_loss()
-                val_curve.append((step + 1, val))
+                self.val_curve.append((step + 1, val))
+            self.step = step + 1
             if on_step is not None:
                 loss = float(np.mean(losses)) if losses else None
                 dropped = pipe.microbatches_per_step - len(losses)
                 on_step(self._step_log(step, loss, val, pipe.microbatches_per_step, dropped))
-        return self._result(val_curve, train_losses)
+
+    def _standing_strikes(self) -> dict[str, int]:
+        """Each sender's strikes now, the most any one verifier holds against it."""
+        found: dict[str, int] = {}
+        for ledger in self._ledgers():
+            for sender, rec in ledger.senders.items():
+                found[sender] = max(found.get(sender, 0), rec.strikes)
+        return found
 
     def _ledgers(self):
         return [v.ledger for verifiers in self.verifiers for v in verifiers]
@@ -277,20 +353,30 @@ class Mesh:
         strikes = sum(rec.strikes for ledger in self._ledgers() for rec in ledger.senders.values())
         return StepLog(step, loss, val, self.stats.flags, strikes, sorted(self.excluded), microbatches, dropped)
 
-    def _result(self, val_curve, train_losses) -> SimResult:
+    def result(self) -> SimResult:
         malicious = sorted(w.id for w in self.all_workers if w.malicious)
         honest = sorted(w.id for w in self.all_workers if not w.malicious)
-        honest_strikes = [
-            rec.strikes for ledger in self._ledgers() for sender, rec in ledger.senders.items() if sender in honest
+        bad = set(malicious)
+        timeline = [
+            StepCounts(
+                step,
+                sum(n for sender, n in flags.items() if sender not in bad),
+                sum(n for sender, n in flags.items() if sender in bad),
+                max((n for sender, n in strikes.items() if sender not in bad), default=0),
+                max((n for sender, n in strikes.items() if sender in bad), default=0),
+            )
+            for step, (flags, strikes) in enumerate(zip(self._flags_by_step, self._strikes_by_step, strict=True))
         ]
         return SimResult(
             malicious=malicious,
             honest=honest,
             banned_at=dict(self.excluded),
             stats=self.stats,
-            val_curve=val_curve,
-            train_losses=train_losses,
-            honest_max_strikes=max(honest_strikes, default=0),
+            val_curve=list(self.val_curve),
+            train_losses=list(self.train_losses),
+            honest_max_strikes=max((c.strikes_honest for c in timeline), default=0),
             microbatches=self.microbatches,
             dropped=self.dropped,
+            attack_start=self.attack_start,
+            timeline=timeline,
         )

@@ -16,13 +16,14 @@ class DetectionStats:
     metric_hits: Counter = field(default_factory=Counter)  # (direction, attacked, metric) -> n over threshold
 
     def record(self, direction: str, attacked: bool, verdict: Verdict) -> None:
-        if verdict.skipped or verdict.warming_up:
-            return
+        if verdict.skipped or (verdict.warming_up and not verdict.flagged):
+            return  # nothing but peer and replay flags can come during warm-up: the others are not counted
         self.counts[direction, attacked, verdict.flagged] += 1
-        for metric in verdict.over:
-            self.metric_hits[direction, attacked, metric] += 1
-        if verdict.kind is VerdictKind.DRIFT:
-            self.metric_hits[direction, attacked, "drift"] += 1
+        if verdict.kind is VerdictKind.METRIC:
+            for metric in verdict.over:
+                self.metric_hits[direction, attacked, metric] += 1
+        elif verdict.kind in (VerdictKind.PEER, VerdictKind.REPLAY):
+            self.metric_hits[direction, attacked, verdict.kind.value] += 1
 
     @property
     def flags(self) -> int:

@@ -5,25 +5,33 @@ direction (activations forward, gradients backward)::
 
     monitor = BoundaryMonitor(settings, hidden_size=128, expected_shape=(8, 64, 128), ledger=shared_ledger)
     verdict = monitor.check(tensor, sender="peer-id", tainted=False)
-    verdict.kind                      # VerdictKind: accepted, malformed, metric, drift or skipped
+    verdict = monitor.check(tensor, sender="peer-id", content=hash_of_targets)
+    verdict.kind                      # VerdictKind: accepted, malformed, metric, peer, replay or skipped
     verdict.struck, verdict.over      # whether the sender got a strike; the metrics over their thresholds
-    verdict.reason                    # for people: "non-finite values", "metric:l2,wasserstein", "drift"
+    verdict.blatant                   # the flag weighed two strikes (far over a threshold, or a copy)
+    verdict.reason                    # for people: "non-finite values", "metric:l2,wasserstein", "peer:norm ..."
     verdict.scores, verdict.thresholds  # per-metric distance to the EMA baseline, and the adaptive threshold
     verdict.tensor                    # what to pass on: the input, or a replacement (None: drop the microbatch)
     verdict.tainted                   # checks further along the route must skip this microbatch
     verdict.sender.strikes, verdict.banned
 
 The steps, in the paper's order: :mod:`profile` (reduce a tensor to token-independent statistics),
-:mod:`baseline` (EMA of accepted profiles, and the clean replacement), :mod:`metrics` (distances),
-:mod:`thresholds` (Tukey fence over a window of accepted scores), :mod:`drift` (a sender hugging the thresholds),
-:mod:`strikes` (violation counter with forgiveness), :mod:`monitor` (all of it for one boundary and direction).
+:mod:`reference` (the senders' median, which a minority cannot walk), :mod:`baseline` (EMA of accepted profiles,
+the clean replacement, and the reference of a boundary with fewer than three senders), :mod:`metrics` (distances),
+:mod:`thresholds` (Tukey fence over a window of accepted scores), :mod:`peers` (evidence accumulated per sender
+against its peers), :mod:`replay` (sketches that find near-copies), :mod:`strikes` (violation counter with
+forgiveness, weighted by the evidence), :mod:`senders` (per-sender state with a bound), :mod:`monitor` (all of it
+for one boundary and direction).
 """
 
 from sentinel_node.verification.baseline import EmaBaseline
-from sentinel_node.verification.drift import DriftTest
 from sentinel_node.verification.metrics import METRICS
 from sentinel_node.verification.monitor import REPLACEMENTS, BoundaryMonitor, MonitorSettings, Verdict, VerdictKind
+from sentinel_node.verification.peers import PeerAlarm, PeerEvidence
 from sentinel_node.verification.profile import Profile, Profiler
+from sentinel_node.verification.reference import PeerReference, median_profile
+from sentinel_node.verification.replay import ReplayMatch, ReplaySketcher, ReplayStore, content_of
+from sentinel_node.verification.senders import RecentSenders
 from sentinel_node.verification.strikes import SenderRecord, SenderStrikes
 from sentinel_node.verification.thresholds import AdaptiveThreshold
 
@@ -32,13 +40,21 @@ __all__ = [
     "REPLACEMENTS",
     "AdaptiveThreshold",
     "BoundaryMonitor",
-    "DriftTest",
     "EmaBaseline",
     "MonitorSettings",
+    "PeerAlarm",
+    "PeerEvidence",
+    "PeerReference",
     "Profile",
     "Profiler",
+    "RecentSenders",
+    "ReplayMatch",
+    "ReplaySketcher",
+    "ReplayStore",
     "SenderRecord",
     "SenderStrikes",
     "Verdict",
     "VerdictKind",
+    "content_of",
+    "median_profile",
 ]

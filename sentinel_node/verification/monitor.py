@@ -1,4 +1,15 @@
-"""One boundary, one direction: check every tensor that crosses it (docs/architecture.md section 3)."""
+"""One boundary, one direction: check every tensor that crosses it (docs/architecture.md section 3).
+
+Three tests, each for what the others miss:
+
+- per-tensor fences (:mod:`thresholds`) on the distances (:mod:`metrics`) of the tensor's profile to a reference a
+  minority cannot walk (:mod:`reference`): blatant corruption, flagged on the tensor itself;
+- evidence accumulated per sender against its peers at this boundary (:mod:`peers`): small deviations that are
+  consistent, inside every fence;
+- near-copies of recent tensors of other content (:mod:`replay`): free-riders.
+
+Strikes are weighted by the evidence (:mod:`strikes`).
+"""
 
 from __future__ import annotations
 
@@ -8,10 +19,11 @@ from enum import Enum
 import torch
 
 from sentinel_node.verification.baseline import EmaBaseline
-from sentinel_node.verification.drift import DriftTest
 from sentinel_node.verification.metrics import METRICS
-from sentinel_node.verification.profile import Profiler, Scan
-from sentinel_node.verification.shift import BoundaryShift
+from sentinel_node.verification.peers import PeerAlarm, PeerEvidence
+from sentinel_node.verification.profile import Profile, Profiler, Scan
+from sentinel_node.verification.reference import PeerReference
+from sentinel_node.verification.replay import ReplayMatch, ReplaySketcher, ReplayStore
 from sentinel_node.verification.strikes import SenderRecord, SenderStrikes
 from sentinel_node.verification.thresholds import AdaptiveThreshold
 
@@ -36,9 +48,18 @@ class MonitorSettings:
     warmup: int
     strike_limit: int
     forgive_after: int
-    drift_window: int
-    drift_limit: float
-    shift_window: int
+    blatant_severity: float
+    blatant_limit: int
+    blatant_forgive_after: int
+    reference_pool: int
+    reference_horizon: int
+    peer_pool: int
+    peer_kappa: float
+    peer_limit: float
+    replay_keep: int
+    replay_width: int
+    replay_similarity: float
+    max_senders: int
     replacement: str
     seed: int
 
@@ -49,27 +70,34 @@ class VerdictKind(Enum):
     ACCEPTED = "accepted"  # passed on as it came, and learned from (unless warming up only builds the baseline)
     MALFORMED = "malformed"  # not a tensor of the boundary's shape, dtype and finite values
     METRIC = "metric"  # a statistic over its threshold
-    DRIFT = "drift"  # the sender's recent checks sit persistently high inside the thresholds
+    PEER = "peer"  # the sender's recent checks were consistently further from the reference than its peers'
+    REPLAY = "replay"  # a near-copy of a recent tensor that carried other tokens
     SKIPPED = "skipped"  # not judged: the microbatch was tainted upstream, or verification is off
 
 
-FLAGS = frozenset({VerdictKind.MALFORMED, VerdictKind.METRIC, VerdictKind.DRIFT})
+FLAGS = frozenset({VerdictKind.MALFORMED, VerdictKind.METRIC, VerdictKind.PEER, VerdictKind.REPLAY})
 
 
 @dataclass
 class Verdict:
     """What a check decided. `tensor` is what to pass on: the input, or a replacement; None means drop it.
 
-    `kind` is the decision; `struck` whether the sender got a strike for it (a flag during a boundary-wide shift
-    gives none); `over` the metrics over their thresholds (kind METRIC); `problem` what is wrong with a malformed
-    tensor (also set on a SKIPPED verdict whose tensor was malformed and replaced). `reason` is for display only.
+    `kind` is the decision; `struck` whether the sender got a strike for it; `blatant` whether the flag weighed
+    double (far over a threshold, or a copy); `over` the metrics over their thresholds (kind METRIC) or the one
+    whose evidence crossed (kind PEER); `replay` what the tensor copies (kind REPLAY); `problem` what is wrong
+    with a malformed tensor (also set on a SKIPPED verdict whose tensor was malformed and replaced). `severity` is
+    the largest metric's place between its window's median (0) and its threshold (1). `reason` is for display.
     """
 
     kind: VerdictKind
     tensor: torch.Tensor | None
     struck: bool = False
+    blatant: bool = False
     over: tuple[str, ...] = ()
     problem: str | None = None
+    replay: ReplayMatch | None = None
+    peer: PeerAlarm | None = None
+    severity: float = 0.0
     scores: dict[str, float] = field(default_factory=dict)
     thresholds: dict[str, float] = field(default_factory=dict)
     warming_up: bool = False
@@ -101,21 +129,21 @@ class Verdict:
     def reason(self) -> str | None:
         """Why it was flagged (or why a skipped tensor was replaced), for people to read."""
         if self.kind is VerdictKind.METRIC:
-            text = "metric:" + ",".join(self.over)
-        elif self.kind is VerdictKind.DRIFT:
-            text = "drift"
-        elif self.problem is not None:
-            text = self.problem
-        else:
-            return None
-        return text if self.struck or not self.flagged else f"{text} (boundary-wide shift: no strike)"
+            return "metric:" + ",".join(self.over) + (" (blatant)" if self.blatant else "")
+        if self.kind is VerdictKind.PEER:
+            return f"peer:{self.over[0]} (consistently further from the reference than the other senders)"
+        if self.kind is VerdictKind.REPLAY and self.replay is not None:
+            return f"replay: a near-copy ({self.replay.similarity:.2f}) of a tensor {self.replay.age} checks ago"
+        return self.problem
 
 
 class BoundaryMonitor:
-    """Checks tensors crossing one boundary in one direction against an EMA baseline.
+    """Checks tensors crossing one boundary in one direction.
 
-    `check(tensor, sender)` returns a Verdict; the strike ledger (shared by a verifier's monitors when it passes
-    one in) says when a sender is banned. Tensors of tainted microbatches are neither judged nor learned from.
+    `check(tensor, sender, content=...)` returns a Verdict; the strike ledger (shared by a verifier's monitors when
+    it passes one in) says when a sender is banned. Tensors of tainted microbatches are neither judged nor learned
+    from. `content` names the microbatch's tokens (a hash of its targets): near-copies of the same content are
+    legitimate (retries, duplicate computation), of other content they are replays.
     `dtype` is the boundary's wire dtype (float32, bfloat16 or float16): a tensor of another is malformed, the
     statistics are taken in float32 whatever it is, and replacements are made in it. `device` is where the
     statistics are computed (a GPU verifier's); the baseline, the verdicts and the tensors passed on stay on the CPU.
@@ -145,15 +173,29 @@ class BoundaryMonitor:
             device=device,
         )
         self.baseline = EmaBaseline(settings.beta)
+        self.peer_reference = PeerReference(settings.reference_pool, settings.reference_horizon, settings.max_senders)
         self.thresholds = {
             name: AdaptiveThreshold(
                 settings.window, settings.fence_k, settings.floors[name], settings.fence_spaces[name]
             )
             for name in METRICS
         }
-        self.drift = DriftTest(settings.drift_window, settings.drift_limit)
-        self.shift = BoundaryShift(settings.shift_window)
-        self.ledger = ledger if ledger is not None else SenderStrikes(settings.strike_limit, settings.forgive_after)
+        self.peers = PeerEvidence(
+            tuple(METRICS), settings.peer_pool, settings.peer_kappa, settings.peer_limit, settings.max_senders
+        )
+        self.sketcher = ReplaySketcher(hidden_size, settings.replay_width, settings.seed)
+        self.replays = ReplayStore(settings.replay_keep, settings.replay_similarity)
+        self.ledger = (
+            ledger
+            if ledger is not None
+            else SenderStrikes(
+                settings.strike_limit,
+                settings.forgive_after,
+                settings.blatant_limit,
+                settings.blatant_forgive_after,
+                settings.max_senders,
+            )
+        )
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.accepted = 0
 
@@ -161,7 +203,12 @@ class BoundaryMonitor:
     def warming_up(self) -> bool:
         return self.accepted < self.settings.warmup
 
-    def check(self, tensor: torch.Tensor, sender: str, tainted: bool = False) -> Verdict:
+    def reference(self) -> Profile | None:
+        """What tensors are judged against: the senders' median, or with fewer than three senders the EMA."""
+        median = self.peer_reference.reference()
+        return median if median is not None else self.baseline.reference
+
+    def check(self, tensor: torch.Tensor, sender: str, tainted: bool = False, content: int | None = None) -> Verdict:
         problem, scan = self._malformed(tensor)
         if tainted:
             # an honest peer downstream of a replaced tensor is not to blame; only keep garbage from travelling
@@ -170,33 +217,57 @@ class BoundaryMonitor:
         if problem:
             return self._flag(tensor, sender, VerdictKind.MALFORMED, problem=problem)
 
+        copied = self._replayed(tensor, sender, content)
         profile = self.profiler.profile(scan)
-        reference = self.baseline.reference
+        reference = self.reference()
+        self.peer_reference.observe(sender, profile)
         if reference is None:
             self._accept(profile, {})
             return self._accepted(tensor, sender, {}, {}, warming_up=True)
 
         scores = {name: metric(profile, reference) for name, metric in METRICS.items()}
         limits = {name: self.thresholds[name].threshold() for name in METRICS}
-        if self.warming_up:
-            self._accept(profile, scores)
-            return self._accepted(tensor, sender, scores, limits, warming_up=True)
-
-        over = tuple(name for name in METRICS if scores[name] > limits[name])
         severity = max(self.thresholds[name].severity(scores[name]) for name in METRICS)
-        kind = VerdictKind.METRIC if over else VerdictKind.DRIFT if self.drift.observe(sender, severity) else None
-        self.shift.observe(sender, kind is not None)
-        if kind is not None:
-            return self._flag(tensor, sender, kind, scores, limits, over=over, strike=not self.shift.widespread())
+        alarm = self.peers.observe(sender, scores)
+        evidence = dict(scores=scores, limits=limits, severity=severity)
+        if copied is not None:
+            return self._flag(tensor, sender, VerdictKind.REPLAY, blatant=True, replay=copied, **evidence)
+        over = () if self.warming_up else tuple(name for name in METRICS if scores[name] > limits[name])
+        if over:
+            blatant = severity >= self.settings.blatant_severity
+            return self._flag(tensor, sender, VerdictKind.METRIC, over=over, blatant=blatant, **evidence)
+        if alarm is not None:
+            return self._flag(tensor, sender, VerdictKind.PEER, over=(alarm.metric,), peer=alarm, **evidence)
+        warming_up = self.warming_up
         self._accept(profile, scores)
-        return self._accepted(tensor, sender, scores, limits)
+        return self._accepted(tensor, sender, scores, limits, severity, warming_up)
+
+    def _replayed(self, tensor: torch.Tensor, sender: str, content: int | None) -> ReplayMatch | None:
+        if not self.replays.enabled:
+            return None
+        sketch = self.sketcher(tensor.float())  # a 16-bit wire's tensors are sketched in float32, as profiled
+        match = self.replays.match(sketch, content)
+        self.replays.add(sketch, sender, content)
+        return match
 
     def _accepted(
-        self, tensor: torch.Tensor, sender: str, scores: dict, limits: dict, warming_up: bool = False
+        self,
+        tensor: torch.Tensor,
+        sender: str,
+        scores: dict,
+        limits: dict,
+        severity: float = 0.0,
+        warming_up: bool = False,
     ) -> Verdict:
         record = self.ledger.record(sender, False)
         return Verdict(
-            VerdictKind.ACCEPTED, tensor, scores=scores, thresholds=limits, warming_up=warming_up, sender=record
+            VerdictKind.ACCEPTED,
+            tensor,
+            scores=scores,
+            thresholds=limits,
+            severity=severity,
+            warming_up=warming_up,
+            sender=record,
         )
 
     def _malformed(self, tensor: torch.Tensor) -> tuple[str | None, Scan | None]:
@@ -219,22 +290,34 @@ class BoundaryMonitor:
         kind: VerdictKind,
         scores: dict[str, float] | None = None,
         limits: dict[str, float] | None = None,
+        severity: float = 0.0,
         over: tuple[str, ...] = (),
         problem: str | None = None,
-        strike: bool = True,
+        blatant: bool = False,
+        replay: ReplayMatch | None = None,
+        peer: PeerAlarm | None = None,
     ) -> Verdict:
+        record = self.ledger.record(sender, True, weight=2 if blatant else 1, blatant=blatant)
+        if record.banned:
+            self.peer_reference.forget(sender)
+            self.peers.forget(sender)
         return Verdict(
             kind,
             self._replace(tensor),
-            struck=strike,
+            struck=True,
+            blatant=blatant,
             over=over,
             problem=problem,
+            replay=replay,
+            peer=peer,
+            severity=severity,
             scores=scores or {},
             thresholds=limits or {},
-            sender=self.ledger.record(sender, True) if strike else self.ledger.peek(sender),
+            warming_up=self.warming_up,
+            sender=record,
         )
 
-    def _accept(self, profile, scores: dict[str, float]) -> None:
+    def _accept(self, profile: Profile, scores: dict[str, float]) -> None:
         self.baseline.update(profile)
         for name, score in scores.items():
             self.thresholds[name].accept(score)

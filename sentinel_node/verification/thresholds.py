@@ -54,7 +54,9 @@ class AdaptiveThreshold:
         if fence is None:
             return math.inf
         scale, _, limit = fence
-        return scale * math.expm1(limit) if self.space == "relative_log" else limit
+        if self.space != "relative_log":
+            return limit
+        return scale * math.expm1(limit) if limit < 700 else math.inf  # past e^700 a float overflows
 
     def severity(self, score: float) -> float:
         """Where `score` lies between the window's median (0) and the threshold (1); the drift test averages it."""
