@@ -12,6 +12,7 @@ from dht.identity import (
 from dht.keys import MAX_STAGES, SwarmKeys
 from dht.records import (
     Announcement,
+    AuditEvidence,
     BootstrapAnnouncement,
     StageAnnouncement,
     StrikeRecord,
@@ -27,6 +28,7 @@ __all__ = [
     "MAX_STAGES",
     "Announcement",
     "Announcer",
+    "AuditEvidence",
     "BootstrapAnnouncement",
     "DHTUnavailable",
     "Identity",

@@ -32,8 +32,9 @@ Direction = Literal["activation", "gradient"]
 MAX_METRICS = 64
 
 # The record schema this code writes and understands in full. Raise it when a record type gains a field; readers
-# of an older schema then accept the newer records and ignore the field.
-SCHEMA = 1
+# of an older schema then accept the newer records and ignore the field, and this code reads records of an older
+# schema without the fields added since (:data:`ADDED_IN`), which take their defaults.
+SCHEMA = 2
 MAX_UNKNOWN_FIELDS = 16
 MAX_FIELD_NAME = 64
 
@@ -116,8 +117,37 @@ class BootstrapAnnouncement(Announcement):
         return keys.bootstraps
 
 
+Digest = constr(strict=True, regex=r"^[0-9a-f]{64}$")  # SHA-256, hex
+DigestName = Literal["input", "output", "grad_output", "grad_input"]
+MicrobatchId = constr(strict=True, min_length=1, max_length=128, regex=r"^[A-Za-z0-9_.:-]+$")
+
+
+class AuditEvidence(pydantic.BaseModel):
+    """What a failed recomputation audit found (schema 2): the microbatch and its global step, the digests of the
+    stage's four tensors as the verifiers relayed them, the auditor replicas that recomputed it (the first, then the
+    one that confirmed), their relative errors, and the digest of the reference parameters they used."""
+
+    microbatch: MicrobatchId
+    step: Count
+    stage: StageIndex
+    finding: Literal["mismatch", "frozen"]
+    direction: Direction  # the tensor that failed: the output (activation) or the input gradient
+    error: confloat(strict=True, ge=0)  # the first auditor's relative error of the stage's contribution
+    confirmed_error: Optional[confloat(strict=True, ge=0)]  # the confirming auditor's
+    auditors: conlist(PeerIdStr, min_items=1, max_items=2)
+    digests: dict[DigestName, Digest]
+    parameters: constr(strict=True, regex=r"^[0-9a-f]{16}$")
+
+    class Config:
+        extra = pydantic.Extra.forbid
+        allow_mutation = False
+
+
 class StrikeRecord(SwarmRecord):
-    """One verifier's standing verdict on one peer; a newer record from the same verifier replaces it."""
+    """One verifier's standing verdict on one peer; a newer record from the same verifier replaces it.
+
+    Schema 2 adds the peer's recomputation audits as this verifier ran them (``audits_passed``,
+    ``audits_failed``) and the evidence of the last failed one (``audit``)."""
 
     author_field: ClassVar[str] = "verifier"
 
@@ -131,6 +161,9 @@ class StrikeRecord(SwarmRecord):
     flags: Count
     metrics: dict[constr(strict=True, max_length=64), StrictFloat]
     banned: StrictBool
+    audits_passed: Count = 0
+    audits_failed: Count = 0
+    audit: Optional[AuditEvidence] = None
 
     @pydantic.validator("metrics")
     def _few_metrics(cls, metrics: dict) -> dict:
@@ -141,6 +174,9 @@ class StrikeRecord(SwarmRecord):
     def key(self, keys: SwarmKeys) -> str:
         return keys.strikes(self.accused)
 
+
+# Fields by the schema that added them: a record of an older schema may lack them (they take their defaults).
+ADDED_IN: dict[str, dict[str, int]] = {"strike": {"audits_passed": 2, "audits_failed": 2, "audit": 2}}
 
 RECORD_TYPES: dict[str, type[SwarmRecord]] = {
     "stage": StageAnnouncement,
@@ -179,6 +215,7 @@ def parse_record(value: object) -> SwarmRecord:
     if type(schema) is not int or schema < 1:
         raise ValueError(f"a {kind} record must carry its schema version (an integer of at least 1)")
     fields = {field.alias for field in record_type.__fields__.values()}
+    newer = {name for name, since in ADDED_IN.get(kind, {}).items() if since > schema and name not in value}
     unknown = [name for name in value if name not in fields]
     if unknown:
         if schema <= SCHEMA:
@@ -192,6 +229,6 @@ def parse_record(value: object) -> SwarmRecord:
         record = record_type.parse_obj(value)
     except pydantic.ValidationError as e:
         raise ValueError(f"malformed {kind} record: {e}") from None
-    if record.dict() != value:
+    if record.dict(exclude=newer) != value:
         raise ValueError(f"{kind} record needs conversions or defaults to fit its schema: {value}")
     return record

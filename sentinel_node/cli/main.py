@@ -68,15 +68,18 @@ def demo(steps: int, attack: str, attack_start: int, config_path: str | None, wo
 
 
 def _attack_choice():
-    from sentinel_node.attacks import CATALOGUE
+    from sentinel_node.attacks import ATTACK_NAMES
 
-    return click.Choice(sorted(CATALOGUE))
+    return click.Choice(sorted(ATTACK_NAMES))
 
 
 @main.command()
 @config_option
 @click.option("--attack", type=_attack_choice(), help="Attack the malicious replicas run (default: none).")
-@click.option("--attack-file", help="A red team's own attack: PATH.py:NAME, a function (tensor, step, state).")
+@click.option(
+    "--attack-file",
+    help="A red team's own attack: PATH.py:NAME, a function (tensor, step, state) or a StageAttack subclass.",
+)
 @click.option(
     "--target", type=click.Choice(["activation", "gradient", "both"]), default="activation", show_default=True
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Sequence
 
 import torch
 from hivemind.utils.logging import get_logger
@@ -10,6 +11,8 @@ from hivemind.utils.logging import get_logger
 from sentinel_node.config import ModelConfig, PipelineConfig
 from sentinel_node.model import StageModule, build_stage
 from sentinel_node.pipeline.device import choose_precision, make_optimizer, resolve_device
+from sentinel_node.pipeline.recompute import ReferenceParameters, ReferenceVersion, recompute
+from sentinel_node.verification.audit import Work
 
 logger = get_logger(__name__)
 
@@ -48,6 +51,11 @@ class StageWorker:
         self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.accumulated = 0
         self.steps = 0
+        # recomputation audits: the parameters every replica of the stage shares (the initialisation, then each
+        # averaging round's result), and a red-team replica's refusal to apply its optimizer step
+        self.reference = ReferenceParameters(self.module)
+        self.set_reference(round_step=-1, applies_from=0, members=None)
+        self.applies_step: Callable[[int], bool] | None = None
 
     @property
     def is_first(self) -> bool:
@@ -105,6 +113,10 @@ class StageWorker:
         """Applies the mean of the accumulated gradients; False when this replica served nothing since the last."""
         if self.accumulated == 0:
             return False
+        if self.applies_step is not None and not self.applies_step(global_step):
+            self.optimizer.zero_grad(set_to_none=True)  # a frozen red-team replica: it computed, it never learns
+            self.accumulated = 0
+            return False
         for param in self.module.parameters():
             if param.grad is not None:
                 param.grad /= self.accumulated
@@ -116,3 +128,32 @@ class StageWorker:
         self.accumulated = 0
         self.steps += 1
         return True
+
+    # --- recomputation audits
+
+    def trainable(self) -> list[torch.Tensor]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def set_reference(
+        self, round_step: int, applies_from: int, members: Sequence[str] | None, params: Sequence[torch.Tensor] = ()
+    ) -> ReferenceVersion:
+        """Keeps ``params`` (default: the module's current parameters) as the reference of the averaging round that
+        took its snapshot after step ``round_step``; this replica computes step ``applies_from`` on with it."""
+        return self.reference.set(list(params) or self.trainable(), round_step, applies_from, members)
+
+    def recompute(
+        self,
+        step: int,
+        inputs: torch.Tensor,
+        grad_output: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        max_age: int | None = None,
+    ) -> tuple[Work, ReferenceVersion]:
+        """The stage's work on a microbatch of global step ``step``, recomputed with the reference parameters this
+        replica held for that step (under the same autocast as training); its own parameters, gradients and
+        pending microbatches are untouched. NoReference when it holds none younger than ``max_age`` steps
+        (default: one averaging period)."""
+        age = self.pipeline.average_every if max_age is None else max_age
+        version, params = self.reference.for_step(step, age)
+        work = recompute(self.module, params, inputs, grad_output, targets, autocast=self._autocast())
+        return work, version

@@ -57,6 +57,15 @@ METRICS: dict[str, MetricSpec] = {
     "sentinel_loss": MetricSpec("gauge", "The latest loss, by split (train, validation).", ("split",)),
     "sentinel_global_step": MetricSpec("gauge", "The last global step this node applied or completed."),
     "sentinel_checkpoints_saved": MetricSpec("counter", "Checkpoints this stage replica wrote."),
+    "sentinel_audits": MetricSpec(
+        "counter",
+        "Recomputation audits this verifier ran, by outcome (passed, convicted, contradicted, disputed, "
+        "unconfirmed), and auditor requests refused.",
+        ("outcome",),
+    ),
+    "sentinel_recomputations": MetricSpec(
+        "counter", "Audit recomputations this stage replica answered, by outcome (served, unavailable).", ("outcome",)
+    ),
 }
 
 

@@ -39,10 +39,11 @@ from hivemind.utils.performance_ema import PerformanceEMA
 
 from dht import StageAnnouncement
 from peers import LivenessBlacklist
-from sentinel_node.attacks import Attacker, AttackError, arm, attack_maker
+from sentinel_node.attacks import Attacker, AttackError, StageContext, arm, attack_maker, refuses_steps
 from sentinel_node.config import Config
 from sentinel_node.pipeline import StageWorker
 from sentinel_node.pipeline.device import DeviceError
+from sentinel_node.roles.audits import StageRecompute
 from sentinel_node.roles.averaging import ReplicaAverager
 from sentinel_node.roles.calls import call_hop
 from sentinel_node.roles.common import JoinOptions, NodeError
@@ -132,6 +133,7 @@ def run_stage(
         worker = StageWorker(config.model, config.pipeline, settings.stage, seed=seed, device=settings.device)
     except DeviceError as e:
         raise NodeError(str(e)) from None
+    worker.applies_step = refuses_steps(attackers)  # a stage-level attack may refuse optimizer steps
     state = ReplicaState(worker, config.swarm_hash(), settings.state_dir, settings.checkpoint_every)
     state.resume()
     with started_node(options, stop_event) as context:
@@ -194,6 +196,8 @@ class StageNode(Node):
         self.throughput = PerformanceEMA(alpha=0.3, paused=True)
         self.forward_cpu_s = 0.0  # of training forwards alone: what a verifier's check is weighed against
         self.forwards = 0
+        self.recompute = StageRecompute(self)  # recomputation audits (sentinel_node/roles/audits.py)
+        self._averaged_round: tuple[int, list[str]] | None = None  # the finished round's step and group
 
     # --- lifecycle hooks
 
@@ -203,6 +207,8 @@ class StageNode(Node):
             self.last_step = self.state.step
             self.averager.share_state(self.state.current)
             self.views.listeners.append(lambda view: self.averager.set_excluded(view.excluded))
+        if self.state.resumed_from is not None or self.state.synced_from is not None:
+            self.worker.reference.clear()  # its parameters are not the initialisation: no reference until it averages
         tokens, cpu_s = await self.lane.run(self._benchmark)
         self.throughput.update(tokens, interval=cpu_s)
 
@@ -213,6 +219,7 @@ class StageNode(Node):
             expect = [self.shapes.hidden_spec, self.shapes.tokens]
         await server.add_handler(STAGE_FORWARD, self._forward, PipelineRequest, authorize=self._admit, expect=expect)
         await server.add_handler(STAGE_STEP, self._step, StepRequest, authorize=self._admit_step, expect=[])
+        await self.recompute.add_handler(server)
 
     def announcement(self) -> StageAnnouncement:
         return self.announced(
@@ -253,6 +260,8 @@ class StageNode(Node):
         ]
         for outcome in ("served", "evaluated", "dropped", "failed"):
             samples.append(Sample("sentinel_microbatches", self.stats[outcome], (outcome,)))
+        for outcome in ("served", "unavailable"):
+            samples.append(Sample("sentinel_recomputations", self.recompute.stats[outcome], (outcome,)))
         return samples
 
     def _report(self) -> None:
@@ -304,6 +313,8 @@ class StageNode(Node):
             forward_cpu_ms=1000 * self.forward_cpu_s / self.forwards if self.forwards else None,
             compute_cpu_s=self._cpu_s,
             time=time.time(),
+            recomputations=dict(self.recompute.stats),
+            reference=None if self.worker.reference.latest is None else self.worker.reference.latest.digest,
             **self.stats,
             **NodeStatus.view_fields(self.views.view),
         )
@@ -412,11 +423,13 @@ class StageNode(Node):
         finally:
             self._cpu_s += time.thread_time() - started
 
-    def _send(self, direction: str, tensor: torch.Tensor, step: int) -> torch.Tensor:
+    def _send(
+        self, direction: str, tensor: torch.Tensor, step: int, context: StageContext | None = None
+    ) -> torch.Tensor:
         attacker = self.attackers.get(direction)
         if attacker is None:
             return tensor
-        sent, attacked = attacker(tensor, step)
+        sent, attacked = attacker(tensor, step, context)
         self.stats["attacked"] += int(attacked)
         return sent
 
@@ -425,17 +438,18 @@ class StageNode(Node):
         output = self.worker.forward(key, inputs)
         self.forward_cpu_s += time.thread_time() - started
         self.forwards += 1
-        return self._send("activation", output, step)
+        return self._send("activation", output, step, StageContext(self.worker.module, inputs))
 
     def _backward_and_send(self, key: str, grad_output: torch.Tensor, step: int) -> torch.Tensor | None:
         grad_input = self.worker.backward(key, grad_output)
-        return None if grad_input is None else self._send("gradient", grad_input, step)
+        context = StageContext(self.worker.module, grad_output=grad_output)
+        return None if grad_input is None else self._send("gradient", grad_input, step, context)
 
     def _loss_and_grad(
         self, key: str, inputs: torch.Tensor, targets: torch.Tensor, step: int
     ) -> tuple[float, torch.Tensor]:
         loss, grad = self.worker.forward_backward_loss(key, inputs, targets)
-        return loss, self._send("gradient", grad, step)
+        return loss, self._send("gradient", grad, step, StageContext(self.worker.module, inputs, targets))
 
     @torch.no_grad()
     def _eval_forward(self, inputs: torch.Tensor, step: int) -> torch.Tensor:
@@ -481,9 +495,17 @@ class StageNode(Node):
             if self._averaged is not None:
                 self.averager.apply(self._averaged)
                 self._averaged = None
+                self._keep_reference(step)
             self.state.step = step
         self.state.save(force=False)
         return stepped
+
+    def _keep_reference(self, step: int) -> None:
+        """Recomputation audits: the round just merged is the stage's reference from the next step on."""
+        if self._averaged_round is not None:
+            round_step, group = self._averaged_round
+            self.worker.set_reference(round_step, step + 1, group, params=self.averager.averaged())
+            self._averaged_round = None
 
     async def _average(self, step: int) -> None:
         view = self.views.view
@@ -496,6 +518,7 @@ class StageNode(Node):
             group = await asyncio.to_thread(self.averager.average, step)
             if group is not None:
                 self._averaged = snapshot  # applied with the next step
+                self._averaged_round = (step, group)
                 self.averaged_with = group
                 others = len(group) - 1
                 logger.info(

@@ -73,6 +73,8 @@ class StageStatus(NodeStatus):
     failed: int
     attacked: int
     steps: int
+    recomputations: dict[str, int] = {}  # audits this replica recomputed for verifiers: served, unavailable
+    reference: str | None = None  # digest of its audits' reference parameters
 
 
 class SenderCounts(_Model):
@@ -97,6 +99,8 @@ class VerifierStatus(NodeStatus):
     relayed: int
     check_cpu_s: float
     cpu_ms_per_check: float | None
+    audits: dict[str, int] = {}  # recomputation audits by outcome, and what was drawn, dropped, left incomplete
+    audit_failures: list[dict] = []  # evidence of the latest audits that did not pass
 
 
 class AccountingStatus(_Model):

@@ -34,6 +34,7 @@ from hivemind.utils import get_dht_time, get_logger
 from dht import RecordError, RecordStore, StrikeRecord, VerifierAnnouncement
 from peers import LivenessBlacklist
 from sentinel_node.pipeline import BoundaryVerifier
+from sentinel_node.roles.audits import VerifierAudits
 from sentinel_node.roles.calls import call_hop
 from sentinel_node.roles.common import JoinOptions, NodeError, software_version
 from sentinel_node.roles.compute import ComputeLane
@@ -201,6 +202,8 @@ class VerifierNode(Node):
         self.publisher = StrikePublisher(context.store, self.config.swarm.strike_ttl)
         self._published: dict[str, tuple[int, int, bool]] = {}
         self._strikes_given: dict[str, int] = {}  # each sender's strike count after its last check
+        self._metrics: dict[str, dict[str, float]] = {}  # each sender's metrics at its last published check
+        self.audits = VerifierAudits(self)  # recomputation audits (sentinel_node/roles/audits.py)
 
     # --- lifecycle hooks
 
@@ -210,6 +213,7 @@ class VerifierNode(Node):
         await server.add_handler(
             VERIFIER_RELAY, self._relay, PipelineRequest, authorize=self._admit, require_finite=False
         )
+        await self.audits.add_handler(server)
 
     def announcement(self) -> VerifierAnnouncement:
         return self.announced(VerifierAnnouncement, boundaries=list(self.boundaries))
@@ -218,6 +222,9 @@ class VerifierNode(Node):
         mode = "verifying" if self.checker.enabled else "relaying without checks"
         names = ", ".join(f"{b}|{b + 1}" for b in self.boundaries)
         return f"verifier {self.peer_id} {mode} on boundaries {names}"
+
+    async def stopping(self) -> None:
+        await self.audits.stop()
 
     async def finish(self) -> None:
         await asyncio.to_thread(self.publisher.stop)
@@ -232,6 +239,9 @@ class VerifierNode(Node):
             Sample("sentinel_microbatches", stats.malformed, ("malformed",)),
             Sample("sentinel_peers_banned", len(self.checker.ledger.banned())),
         ]
+        for outcome, count in self.audits.ledger.totals().items():
+            if outcome != "run":
+                samples.append(Sample("sentinel_audits", count, (outcome,)))
         for boundary in self.boundaries:
             for direction in ("activation", "gradient"):
                 checks, flags, strikes = stats.by_boundary.get((boundary, direction), (0, 0, 0))
@@ -256,6 +266,7 @@ class VerifierNode(Node):
             reachability=None if reach is None else ReachabilityStatus(**reach.as_dict()),
             time=time.time(),
             **self.stats.status_fields(),
+            **self.audits.status_fields(),
             **NodeStatus.view_fields(self.views.view),
         )
 
@@ -303,6 +314,8 @@ class VerifierNode(Node):
         hop, next_meta = meta.advance()
         if verdict.flagged:
             next_meta = next_meta.tainted(boundary)
+        else:
+            self.audits.forwarded(meta, boundary, caller, verdict.tensor, targets)
         reply = await call_hop(
             self.p2p,
             hop,
@@ -336,6 +349,9 @@ class VerifierNode(Node):
             return Answer([], MicrobatchReply(loss=loss, taint=taint))
         if verdict.tensor is None:
             return Answer([], MicrobatchReply(loss=loss, taint=taint))
+        if not verdict.flagged:
+            self.audits.answered(meta, boundary, reply.peer, verdict.tensor)
+        self.audits.settled(meta, boundary, taint, next_meta.route)
         return Answer([verdict.tensor], MicrobatchReply(loss=loss, taint=taint))
 
     async def _check(
@@ -374,6 +390,18 @@ class VerifierNode(Node):
             return
         self._published[sender] = state
         metrics = {name: float(value) for name, value in verdict.scores.items() if math.isfinite(value)}
+        self.publish_record(boundary, direction, sender, record, metrics)
+        if record.banned:
+            logger.warning(f"banned {sender} after {record.strikes} strikes; voting for its exclusion")
+
+    def publish_record(
+        self, boundary: int, direction: str, sender: str, record, metrics: dict[str, float] | None = None
+    ) -> None:
+        """Publishes this verifier's standing verdict on ``sender`` (its statistics and its audits); ``metrics``
+        default to those of its last check."""
+        self._published[sender] = (record.strikes, record.flags, record.banned)
+        metrics = self._metrics.setdefault(sender, {}) if metrics is None else metrics
+        self._metrics[sender] = metrics
         self.publisher.submit(
             StrikeRecord(
                 verifier=self.peer_id,
@@ -388,7 +416,6 @@ class VerifierNode(Node):
                 config_hash=self.config.swarm_hash(),
                 version=software_version(),
                 time=get_dht_time(),
+                **self.audits.record_fields(sender),
             )
         )
-        if record.banned:
-            logger.warning(f"banned {sender} after {record.strikes} strikes; voting for its exclusion")

@@ -40,6 +40,16 @@ class SenderStrikes:
                 rec.clean_streak = 0
         return rec
 
+    def convict(self, sender: str) -> SenderRecord:
+        """A proven offence (a recomputation audit failed and confirmed by a second replica): a strike worth the
+        whole limit, so a ban."""
+        rec = self.senders.setdefault(sender, SenderRecord())
+        rec.flags += 1
+        rec.clean_streak = 0
+        rec.strikes = max(rec.strikes, self.strike_limit)
+        rec.banned = True
+        return rec
+
     def peek(self, sender: str) -> SenderRecord:
         """The sender's record, counting nothing."""
         return self.senders.setdefault(sender, SenderRecord())

@@ -1,0 +1,194 @@
+"""Recomputation audits as verifiers run them, the same in the verifier role and in the simulator: assembling a
+stage's work on a settled microbatch from the two crossings around it, choosing auditors, and judging and striking
+(the comparison itself is :mod:`sentinel_node.verification.audit`).
+
+Who audits whom: the verifier of a stage's input boundary (k-1|k) audits stage k; stage 0, which has none, is
+audited by the verifier of boundary 0|1. The auditing verifier holds one crossing itself and fetches the other
+(from the verifier of boundary k|k+1) by microbatch id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sentinel_node.pipeline.recompute import ReferenceVersion
+from sentinel_node.pipeline.relay_cache import Crossing
+from sentinel_node.verification.audit import (
+    AuditLedger,
+    AuditOutcome,
+    AuditTolerance,
+    Comparison,
+    Work,
+    agree,
+    compare,
+    decide,
+)
+from sentinel_node.verification.strikes import SenderStrikes
+
+
+def auditing_boundary(stage: int) -> int:
+    """The boundary whose verifier audits ``stage``."""
+    return max(0, stage - 1)
+
+
+@dataclass(frozen=True)
+class AuditCase:
+    """Stage ``stage``'s work on one settled microbatch, reconstructed by the verifiers around it: what it was
+    given (``inputs``: token ids on stage 0, else hidden states; ``grad_output``, not on the last stage;
+    ``targets``, on the last stage) and what it sent (``claimed``)."""
+
+    microbatch: str
+    step: int
+    stage: int
+    audited: str
+    inputs: torch.Tensor
+    grad_output: torch.Tensor | None
+    targets: torch.Tensor | None
+    claimed: Work
+    digests: dict[str, str]
+
+    @property
+    def passthrough(self) -> Work:
+        """What passes through the stage's residual stream unchanged (nothing on stage 0, whose input is tokens)."""
+        hidden = self.inputs if self.inputs.is_floating_point() else None
+        return Work(output=hidden if self.claimed.output is not None else None, grad_input=self.grad_output)
+
+
+def assemble(stage: int, n_stages: int, below: Crossing | None, above: Crossing | None) -> AuditCase | None:
+    """The case for ``stage`` from the crossing at its input boundary (``below``) and at its output boundary
+    (``above``); None when a needed half is missing, tainted, unsettled or not of the same stage replica."""
+    first, last = stage == 0, stage == n_stages - 1
+    halves = ([] if first else [below]) + ([] if last else [above])
+    if any(c is None or not c.settled or c.tainted or c.gradient is None for c in halves):
+        return None
+    if first:
+        if above.tokens is None:
+            return None
+        audited, inputs = above.sender, above.tokens
+    else:
+        audited, inputs = below.receiver, below.activation
+        if audited is None or (not last and above.sender != audited) or (not last and above.step != below.step):
+            return None
+    digests: dict[str, str] = {"input": (above.digest("tokens") if first else below.digest("activation"))}
+    if not last:
+        digests["output"], digests["grad_output"] = above.digest("activation"), above.digest("gradient")
+    if not first:
+        digests["grad_input"] = below.digest("gradient")
+    crossing = above if first else below
+    return AuditCase(
+        microbatch=crossing.microbatch,
+        step=crossing.step,
+        stage=stage,
+        audited=audited,
+        inputs=inputs,
+        grad_output=None if last else above.gradient,
+        targets=below.targets if last else None,
+        claimed=Work(output=None if last else above.activation, grad_input=None if first else below.gradient),
+        digests=digests,
+    )
+
+
+@dataclass(frozen=True)
+class Recomputation:
+    """What an auditor replica answered: the work recomputed with the reference ``version`` it holds."""
+
+    auditor: str
+    work: Work
+    version: ReferenceVersion
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    """One finished audit: its outcome, the comparisons made and who recomputed."""
+
+    case: AuditCase
+    outcome: AuditOutcome
+    first: Comparison
+    second: Comparison | None
+    auditors: tuple[str, ...]
+    version: ReferenceVersion
+
+    @property
+    def evidence(self) -> dict:
+        """What a signed strike record carries about a failed audit."""
+        comparison = self.first
+        return {
+            "microbatch": self.case.microbatch,
+            "step": self.case.step,
+            "stage": self.case.stage,
+            "finding": comparison.finding.value,
+            "direction": comparison.direction,
+            "error": _finite(comparison.error),
+            "confirmed_error": None if self.second is None else _finite(self.second.error),
+            "auditors": list(self.auditors),
+            "digests": dict(self.case.digests),
+            "parameters": self.version.digest,
+        }
+
+
+def _finite(error: float) -> float:
+    """An error for a record: a missing or non-finite claim's infinite error as a large finite number."""
+    return float(min(error, 1e9))
+
+
+def candidate_auditors(live: Sequence[str], audited: str, order) -> list[str]:
+    """The live, non-excluded replicas of the stage other than the audited one, in the verifier's random order."""
+    return order([peer for peer in dict.fromkeys(live) if peer != audited])
+
+
+class AuditJudge:
+    """Compares claims with recomputations, decides, counts and strikes: one per verifier.
+
+    ``stepped(peer, after, before)`` says whether the verifier saw ``peer`` complete a training microbatch at a
+    step strictly between the two (so its parameters must have left a reference taken after step ``after``).
+    """
+
+    def __init__(self, tolerance: AuditTolerance, strikes: SenderStrikes, ledger: AuditLedger, stepped) -> None:
+        self.tolerance, self.strikes, self.ledger, self.stepped = tolerance, strikes, ledger, stepped
+
+    def comparable(self, case: AuditCase, recomputation: Recomputation) -> bool:
+        """Whether the auditor's reference is one the audited replica shares (it averaged in that round)."""
+        return recomputation.version.includes(case.audited)
+
+    def first(self, case: AuditCase, recomputation: Recomputation) -> Comparison:
+        must_have_stepped = self.stepped(case.audited, recomputation.version.round_step, case.step)
+        passthrough = case.passthrough
+        if case.stage == 0:  # stage 0's layers add to its embeddings, which the auditor recomputed
+            passthrough = Work(output=recomputation.work.embedding)
+        return compare(case.claimed, recomputation.work, self.tolerance, must_have_stepped, passthrough)
+
+    def settle(
+        self,
+        case: AuditCase,
+        first: Recomputation,
+        first_comparison: Comparison,
+        second: Recomputation | None = None,
+    ) -> AuditResult:
+        """Decides the audit (``second`` only after the first comparison failed; one from another reference version
+        counts as none), records it and strikes: a conviction bans the audited replica; a first auditor whom the
+        second auditor and the audited replica both contradict gets a strike."""
+        second_comparison, auditors_agree = None, None
+        if second is not None and second.version.digest == first.version.digest:
+            second_comparison = self.first(case, second)
+            auditors_agree = agree(first.work, second.work, self.tolerance)
+        else:
+            second = None
+        outcome = decide(first_comparison, second_comparison, auditors_agree)
+        auditors = (first.auditor,) if second is None else (first.auditor, second.auditor)
+        self.ledger.record(outcome, case.audited, auditors)
+        if outcome is AuditOutcome.CONVICTED:
+            self.strikes.convict(case.audited)
+        elif outcome is AuditOutcome.CONTRADICTED:
+            self.ledger.contradicting(first.auditor)
+            self.strikes.record(first.auditor, flagged=True)
+        return AuditResult(case, outcome, first_comparison, second_comparison, auditors, first.version)
+
+    def refused(self, auditor: str) -> bool:
+        """Notes that ``auditor`` refused, failed or timed out; True when that earned it a strike."""
+        if self.ledger.refusal(auditor):
+            self.strikes.record(auditor, flagged=True)
+            return True
+        return False

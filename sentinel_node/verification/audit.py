@@ -1,0 +1,258 @@
+"""Recomputation audits: what no statistic can see (a gradient with its sign inverted, a stage that stopped
+training, skipped its layers or replayed another microbatch's answer), caught by having another replica of the same
+stage recompute a microbatch after the fact.
+
+A stage's work on one microbatch is four tensors, held by the verifiers on either side of it: the input it was
+given and the output it sent forward, the output gradient it was given and the input gradient it sent back. An
+auditor replica recomputes the output and the input gradient from the input and the output gradient with the
+*reference parameters* of the stage: the parameters its replicas held together after their last averaging round
+(before the first round, the shared initialisation). It never uses, or touches, the parameters it trains.
+
+Comparing like with like (docs/decisions.md, "Recomputation audits"). A replica's parameters equal the reference
+until it applies its first optimizer step after the round; from then on each replica drifts by its own updates.
+
+- Two recomputations from the same reference are the same computation: they agree within ``tolerance.exact`` (on
+  a CPU in fp32 they are bitwise equal). That is how two auditors are compared.
+- A claim is compared with the reference recomputation by the relative error of the stage's *contribution*, per
+  direction (:func:`contribution_error`): a residual stage's output is its input plus what its layers add, so the
+  error is measured against what they add (and the input gradient against what the layers add to the output
+  gradient; on stage 0, against what its layers add to its token embeddings); on the last stage's input gradient,
+  against the tensor itself. Within
+  ``tolerance.exact`` it is the reference computation itself; within the calibrated tolerance
+  (``tolerance.activation`` / ``tolerance.gradient``) it is what a replica that drifted honestly since the round
+  sends; beyond it, the stage did not compute what it claims. A stage that returns its input (or passes the
+  output gradient back as its input gradient) has a contribution error of exactly 1.
+- A claim equal to the reference computation although the verifiers saw the replica complete a training
+  microbatch since the round (so it must have stepped, and its parameters must have moved) proves that it did not
+  apply its optimizer step: a frozen replica, the one cheat a tolerance cannot see.
+
+Judgement (:func:`decide`). One auditor can lie, so a failed comparison convicts only when a second, independent
+auditor's recomputation agrees with the first's and also fails the claim. When the second agrees with the audited
+stage instead, the first auditor is the one contradicted. With fewer than three replicas of a stage there is no
+second auditor, and a failed audit stays an unconfirmed accusation that never bans anyone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+DIRECTIONS = ("activation", "gradient")
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """SHA-256 of a tensor's dtype, shape and exact bytes (hex): names the tensor a record speaks of."""
+    data = tensor.detach().cpu().contiguous()
+    hasher = hashlib.sha256(f"{data.dtype}:{tuple(data.shape)}:".encode())
+    hasher.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return hasher.hexdigest()
+
+
+def relative_error(claimed: torch.Tensor | None, reference: torch.Tensor | None) -> float:
+    """``|claimed - reference| / |reference|`` (Frobenius norms, in float64); infinite for a missing, misshapen or
+    non-finite claim, 0 when both are missing."""
+    if claimed is None and reference is None:
+        return 0.0
+    if claimed is None or reference is None or tuple(claimed.shape) != tuple(reference.shape):
+        return float("inf")
+    claimed, reference = claimed.detach().double(), reference.detach().double()
+    if not bool(torch.isfinite(claimed).all()):
+        return float("inf")
+    scale = float(reference.norm())
+    difference = float((claimed - reference).norm())
+    if scale == 0.0:
+        return 0.0 if difference == 0.0 else float("inf")
+    return difference / scale
+
+
+def contribution_error(
+    claimed: torch.Tensor | None, reference: torch.Tensor | None, passthrough: torch.Tensor | None
+) -> float:
+    """``|claimed - reference| / |reference - passthrough|``: the error relative to what the stage's layers add to
+    the tensor that passes through them (``passthrough``: a middle stage's input, or the output gradient coming
+    back); the plain :func:`relative_error` without one."""
+    if passthrough is None or reference is None or tuple(passthrough.shape) != tuple(reference.shape):
+        return relative_error(claimed, reference)
+    if claimed is None or tuple(claimed.shape) != tuple(reference.shape):
+        return float("inf")
+    base = passthrough.detach().double()
+    return relative_error(claimed.detach().double() - base, reference.detach().double() - base)
+
+
+@dataclass(frozen=True)
+class AuditTolerance:
+    """Relative errors: ``exact`` at or below which two results are one computation; ``activation`` and
+    ``gradient`` the most an honest replica drifts from the reference between averaging rounds."""
+
+    exact: float
+    activation: float
+    gradient: float
+
+    def divergence(self, direction: str) -> float:
+        return self.activation if direction == "activation" else self.gradient
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a stage computed on one microbatch: its output (not on the last stage) and its input gradient (not on
+    the first). A claim is what the audited stage sent; a recomputation what an auditor computed."""
+
+    output: torch.Tensor | None = None
+    grad_input: torch.Tensor | None = None
+    embedding: torch.Tensor | None = None  # stage 0's token embeddings: what its layers add to (recomputed only)
+
+    def tensor(self, direction: str) -> torch.Tensor | None:
+        return self.output if direction == "activation" else self.grad_input
+
+    def directions(self) -> tuple[str, ...]:
+        return tuple(d for d in DIRECTIONS if self.tensor(d) is not None)
+
+
+class Finding(Enum):
+    """How a claim compares with the reference recomputation."""
+
+    SAME = "same"  # within the exact tolerance in every direction: the reference computation itself
+    DRIFTED = "drifted"  # within the divergence tolerance: what an honest replica sends between rounds
+    MISMATCH = "mismatch"  # beyond the divergence tolerance in some direction: not what it claims to be
+    FROZEN = "frozen"  # the reference computation, although the replica must have stepped since the round
+
+    @property
+    def failed(self) -> bool:
+        return self in (Finding.MISMATCH, Finding.FROZEN)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A claim against one recomputation: the relative error per direction, and what it means."""
+
+    errors: dict[str, float]
+    finding: Finding
+    direction: str  # the direction with the largest error relative to its tolerance (the one at fault if failed)
+
+    @property
+    def failed(self) -> bool:
+        return self.finding.failed
+
+    @property
+    def error(self) -> float:
+        return self.errors[self.direction]
+
+
+def compare(
+    claimed: Work,
+    recomputed: Work,
+    tolerance: AuditTolerance,
+    must_have_stepped: bool,
+    passthrough: Work = Work(),
+) -> Comparison:
+    """Judges a claim against the reference recomputation. ``must_have_stepped``: the replica completed a training
+    microbatch after the round and before this one, so an honest replica's parameters have left the reference.
+    ``passthrough``: what passes through a residual stage unchanged (``output``: its input; ``grad_input``: the
+    output gradient it was given), against which contributions are measured."""
+    directions = recomputed.directions() or claimed.directions()
+    errors = {
+        d: contribution_error(claimed.tensor(d), recomputed.tensor(d), passthrough.tensor(d)) for d in directions
+    }
+    worst = max(directions, key=lambda d: errors[d] / tolerance.divergence(d))
+    if any(errors[d] > tolerance.divergence(d) for d in directions):
+        finding = Finding.MISMATCH
+    elif all(errors[d] <= tolerance.exact for d in directions):
+        finding = Finding.FROZEN if must_have_stepped else Finding.SAME
+        worst = max(directions, key=lambda d: errors[d])
+    else:
+        finding = Finding.DRIFTED
+    return Comparison(errors, finding, worst)
+
+
+def agree(first: Work, second: Work, tolerance: AuditTolerance) -> bool:
+    """Whether two recomputations from the same reference are the same computation."""
+    directions = set(first.directions()) | set(second.directions())
+    return all(relative_error(second.tensor(d), first.tensor(d)) <= tolerance.exact for d in directions)
+
+
+class AuditOutcome(Enum):
+    """What an audit decided."""
+
+    PASSED = "passed"  # the first auditor's recomputation bears the claim out
+    CONVICTED = "convicted"  # two auditors agree with each other and both fail the claim: a ban
+    CONTRADICTED = "contradicted"  # the second auditor agrees with the audited stage: the first auditor is wrong
+    DISPUTED = "disputed"  # the two auditors disagree with each other and the second fails the claim too
+    UNCONFIRMED = "unconfirmed"  # the first failed the claim and no second auditor answered (or exists)
+
+    @property
+    def failed(self) -> bool:
+        return self is AuditOutcome.CONVICTED
+
+
+def decide(first: Comparison, second: Comparison | None, auditors_agree: bool | None) -> AuditOutcome:
+    """The outcome of an audit whose first comparison is ``first``; ``second`` (and whether the two
+    recomputations agree) when a second auditor answered after the first failed the claim."""
+    if not first.failed:
+        return AuditOutcome.PASSED
+    if second is None:
+        return AuditOutcome.UNCONFIRMED
+    if not second.failed:
+        return AuditOutcome.CONTRADICTED
+    return AuditOutcome.CONVICTED if auditors_agree else AuditOutcome.DISPUTED
+
+
+@dataclass
+class AuditCounts:
+    """One peer's audits as this verifier saw them: as the audited stage, and as an auditor."""
+
+    passed: int = 0
+    convicted: int = 0
+    contradicted: int = 0  # audits of this peer in which the first auditor was contradicted (it was cleared)
+    disputed: int = 0
+    unconfirmed: int = 0
+    contradicting: int = 0  # as an auditor: recomputations contradicted by the audited stage and another auditor
+    refused: int = 0  # as an auditor: requests refused, failed or timed out
+    refusal_streak: int = 0
+
+    @property
+    def run(self) -> int:
+        return self.passed + self.convicted + self.contradicted + self.disputed + self.unconfirmed
+
+    @property
+    def failed(self) -> int:
+        return self.convicted
+
+
+@dataclass
+class AuditLedger:
+    """Counts of audits by peer, and when an auditor's refusals amount to a strike."""
+
+    refusal_limit: int = 3  # refusals in a row that earn an auditor a strike
+    peers: dict[str, AuditCounts] = field(default_factory=dict)
+
+    def of(self, peer: str) -> AuditCounts:
+        return self.peers.setdefault(peer, AuditCounts())
+
+    def record(self, outcome: AuditOutcome, audited: str, auditors: Iterable[str]) -> None:
+        counts = self.of(audited)
+        setattr(counts, outcome.value, getattr(counts, outcome.value) + 1)
+        for auditor in auditors:
+            self.of(auditor).refusal_streak = 0
+
+    def contradicting(self, auditor: str) -> None:
+        self.of(auditor).contradicting += 1
+
+    def refusal(self, auditor: str) -> bool:
+        """Notes a refused or failed request; True when it completes a streak of ``refusal_limit`` (a strike)."""
+        counts = self.of(auditor)
+        counts.refused += 1
+        counts.refusal_streak += 1
+        if counts.refusal_streak >= self.refusal_limit:
+            counts.refusal_streak = 0
+            return True
+        return False
+
+    def totals(self) -> dict[str, int]:
+        keys = ("passed", "convicted", "contradicted", "disputed", "unconfirmed", "refused")
+        totals = {key: sum(getattr(c, key) for c in self.peers.values()) for key in keys}
+        totals["run"] = sum(c.run for c in self.peers.values())
+        return totals
