@@ -130,7 +130,7 @@ class AuditEvidence(pydantic.BaseModel):
     microbatch: MicrobatchId
     step: Count
     stage: StageIndex
-    finding: Literal["mismatch", "frozen"]
+    finding: Literal["mismatch", "skipped", "frozen"]
     direction: Direction  # the tensor that failed: the output (activation) or the input gradient
     error: confloat(strict=True, ge=0)  # the first auditor's relative error of the stage's contribution
     confirmed_error: Optional[confloat(strict=True, ge=0)]  # the confirming auditor's

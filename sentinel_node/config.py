@@ -143,7 +143,7 @@ class VerificationConfig(_Strict):
         0.02, ge=0, le=1, description="share of settled microbatches whose work a verifier has recomputed, per stage"
     )
     audit_tolerance: float = Field(
-        0.9, gt=0, lt=1, description="relative error of a stage's contribution beyond which its claim fails an audit"
+        1.5, gt=0, description="relative error (of a middle stage's contribution) beyond which a claim fails an audit"
     )
     audit_exact: float = Field(1e-5, gt=0, description="relative error at or below which two results are the same")
     audit_timeout: float = Field(30.0, gt=0, description="seconds an audit may take before it is dropped")

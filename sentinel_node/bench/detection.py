@@ -16,7 +16,14 @@ from pathlib import Path
 import torch
 from hivemind.utils.logging import get_logger
 
-from sentinel_node.attacks import ATTACK_NAMES, BASIC_ATTACKS, STAGE_ATTACKS, load_attack_file, make_attack
+from sentinel_node.attacks import (
+    ATTACK_NAMES,
+    BASIC_ATTACKS,
+    STAGE_ATTACKS,
+    AttackError,
+    load_attack_file,
+    make_attack,
+)
 from sentinel_node.config import Config
 from sentinel_node.model import Corpus, load_corpus
 from sentinel_node.sim import AttackPlan, Mesh, SimResult
@@ -51,8 +58,16 @@ class Case:
     attack_file: str | None = None  # PATH.py:NAME for a red team's own attack
 
 
-def cases(attacks: list[str] | None, attack_file: str | None) -> list[Case]:
-    """The runs to make: every catalogue attack on each target, or the named ones, or the attack file's."""
+def cases(attacks: list[str] | None, attack_file: str | None, targets: list[str] | None = None) -> list[Case]:
+    """The runs to make: every catalogue attack on each target (or on ``targets`` only), or the named ones, or the
+    attack file's."""
+    selected = [case for case in _cases(attacks, attack_file) if not targets or case.target in (*targets, "both")]
+    if not selected:
+        raise AttackError(f"no run on targets {targets}: stage-level attacks run on both directions at once")
+    return selected
+
+
+def _cases(attacks: list[str] | None, attack_file: str | None) -> list[Case]:
     if attack_file is not None:
         name, loaded = load_attack_file(attack_file)  # fail now, not in a worker
         targets = ("both",) if isinstance(loaded, type) else TARGETS  # a StageAttack class: one run
@@ -137,10 +152,11 @@ def run_detection(
     attack_file: str | None = None,
     workers: int = 2,
     progress: Callable[[str], None] | None = None,
+    targets: list[str] | None = None,
 ) -> dict:
     """Runs the benchmark and returns {"profile", "config_hash", "clean", "attacks": [...]}."""
     config = config.with_overrides(**PROFILES[profile])
-    selected = cases(attacks, attack_file)
+    selected = cases(attacks, attack_file, targets)
     corpus = load_corpus(config.data.path, config.data.val_fraction, config.data.max_bytes)
     jobs = [(config, corpus, None, True)]
     for case in selected:

@@ -122,10 +122,17 @@ def bench() -> None:
 @click.option("--quick", is_flag=True, help="The profile that finishes within 5 minutes on 2 cores.")
 @click.option("--attack", "attacks", multiple=True, type=_attack_choice(), help="Only this attack (repeatable).")
 @click.option("--attack-file", help="A red team's own attack, PATH.py:NAME; run on activations and on gradients.")
+@click.option(
+    "--target",
+    "targets",
+    multiple=True,
+    type=click.Choice(["activation", "gradient"]),
+    help="Only runs on this target (repeatable; stage-level attacks always run on both).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/bench", show_default=True, help="PNGs, JSON.")
 @click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="Runs in parallel.")
-def detection(config_path, quick, attacks, attack_file, as_json, out, workers) -> None:
+def detection(config_path, quick, attacks, attack_file, targets, as_json, out, workers) -> None:
     """SENTINEL against every attack: worker-level F1, flag rates, time to ban, validation loss."""
     import json
     from pathlib import Path
@@ -142,6 +149,7 @@ def detection(config_path, quick, attacks, attack_file, as_json, out, workers) -
             attack_file=attack_file,
             workers=workers,
             progress=None if as_json else lambda line: click.echo(line, err=True),
+            targets=list(targets) or None,
         )
     except (AttackError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None

@@ -25,6 +25,7 @@ from sentinel_node.verification.audit import (
     agree,
     compare,
     decide,
+    wants_another,
 )
 from sentinel_node.verification.strikes import SenderStrikes
 
@@ -102,28 +103,43 @@ class Recomputation:
 
 @dataclass(frozen=True)
 class AuditResult:
-    """One finished audit: its outcome, the comparisons made and who recomputed."""
+    """One finished audit: its outcome, each auditor's recomputation and comparison, and who was contradicted."""
 
     case: AuditCase
     outcome: AuditOutcome
-    first: Comparison
-    second: Comparison | None
-    auditors: tuple[str, ...]
-    version: ReferenceVersion
+    recomputations: tuple[Recomputation, ...]
+    comparisons: tuple[Comparison, ...]
+    contradicted: tuple[str, ...]
+    convicting: tuple[int, ...] = ()
+
+    @property
+    def first(self) -> Comparison:
+        return self.comparisons[0]
+
+    @property
+    def auditors(self) -> tuple[str, ...]:
+        return tuple(r.auditor for r in self.recomputations)
+
+    @property
+    def version(self) -> ReferenceVersion:
+        return self.recomputations[0].version
 
     @property
     def evidence(self) -> dict:
-        """What a signed strike record carries about a failed audit."""
-        comparison = self.first
+        """What a signed strike record carries about a failed audit: the first accusing auditor and the one that
+        confirmed it (for a conviction), their errors, the microbatch and the digests of the tensors."""
+        pair = self.convicting or (0,)
+        accuser = self.comparisons[pair[0]]
+        confirmed = self.comparisons[pair[1]] if len(pair) > 1 else None
         return {
             "microbatch": self.case.microbatch,
             "step": self.case.step,
             "stage": self.case.stage,
-            "finding": comparison.finding.value,
-            "direction": comparison.direction,
-            "error": _finite(comparison.error),
-            "confirmed_error": None if self.second is None else _finite(self.second.error),
-            "auditors": list(self.auditors),
+            "finding": accuser.finding.value if accuser.failed else "mismatch",
+            "direction": accuser.direction,
+            "error": _finite(accuser.error),
+            "confirmed_error": None if confirmed is None else _finite(confirmed.error),
+            "auditors": [self.recomputations[i].auditor for i in pair],
             "digests": dict(self.case.digests),
             "parameters": self.version.digest,
         }
@@ -153,38 +169,44 @@ class AuditJudge:
         """Whether the auditor's reference is one the audited replica shares (it averaged in that round)."""
         return recomputation.version.includes(case.audited)
 
-    def first(self, case: AuditCase, recomputation: Recomputation) -> Comparison:
+    def compare(self, case: AuditCase, recomputation: Recomputation) -> Comparison:
+        """The claim against one auditor's recomputation."""
         must_have_stepped = self.stepped(case.audited, recomputation.version.round_step, case.step)
-        passthrough = case.passthrough
         if case.stage == 0:  # stage 0's layers add to its embeddings, which the auditor recomputed
-            passthrough = Work(output=recomputation.work.embedding)
-        return compare(case.claimed, recomputation.work, self.tolerance, must_have_stepped, passthrough)
+            passthrough, residual = Work(output=recomputation.work.embedding), False
+        else:
+            passthrough, residual = case.passthrough, True
+        return compare(case.claimed, recomputation.work, self.tolerance, must_have_stepped, passthrough, residual)
+
+    def _agreement(self, recomputations: Sequence[Recomputation]):
+        return lambda i, j: agree(recomputations[i].work, recomputations[j].work, self.tolerance)
+
+    def wants_another(self, recomputations: Sequence[Recomputation], comparisons: Sequence[Comparison]) -> bool:
+        """Whether to ask one more auditor (of the same reference version as the first)."""
+        return wants_another(comparisons, self._agreement(recomputations))
 
     def settle(
-        self,
-        case: AuditCase,
-        first: Recomputation,
-        first_comparison: Comparison,
-        second: Recomputation | None = None,
+        self, case: AuditCase, recomputations: Sequence[Recomputation], comparisons: Sequence[Comparison]
     ) -> AuditResult:
-        """Decides the audit (``second`` only after the first comparison failed; one from another reference version
-        counts as none), records it and strikes: a conviction bans the audited replica; a first auditor whom the
-        second auditor and the audited replica both contradict gets a strike."""
-        second_comparison, auditors_agree = None, None
-        if second is not None and second.version.digest == first.version.digest:
-            second_comparison = self.first(case, second)
-            auditors_agree = agree(first.work, second.work, self.tolerance)
-        else:
-            second = None
-        outcome = decide(first_comparison, second_comparison, auditors_agree)
-        auditors = (first.auditor,) if second is None else (first.auditor, second.auditor)
-        self.ledger.record(outcome, case.audited, auditors)
-        if outcome is AuditOutcome.CONVICTED:
+        """Decides the audit from its auditors' recomputations (all of one reference version), records it and
+        strikes: a conviction bans the audited replica, and each auditor that two others contradict gets a
+        strike."""
+        decision = decide(comparisons, self._agreement(recomputations))
+        contradicted = tuple(recomputations[i].auditor for i in decision.contradicted)
+        self.ledger.record(decision.outcome, case.audited, [r.auditor for r in recomputations])
+        if decision.outcome is AuditOutcome.CONVICTED:
             self.strikes.convict(case.audited)
-        elif outcome is AuditOutcome.CONTRADICTED:
-            self.ledger.contradicting(first.auditor)
-            self.strikes.record(first.auditor, flagged=True)
-        return AuditResult(case, outcome, first_comparison, second_comparison, auditors, first.version)
+        for auditor in contradicted:
+            self.ledger.contradicting(auditor)
+            self.strikes.record(auditor, flagged=True)
+        return AuditResult(
+            case,
+            decision.outcome,
+            tuple(recomputations),
+            tuple(comparisons),
+            contradicted,
+            decision.convicting,
+        )
 
     def refused(self, auditor: str) -> bool:
         """Notes that ``auditor`` refused, failed or timed out; True when that earned it a strike."""

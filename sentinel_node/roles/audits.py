@@ -277,12 +277,15 @@ class VerifierAudits:
         if first is None:
             self.stats["incomparable"] += 1
             return
-        comparison = self.judge.first(case, first)
-        second = None
-        if comparison.failed:
-            second, _ = await self._recompute(case, rest, first.version.digest)
-        result = self.judge.settle(case, first, comparison, second)
-        self._after(result)
+        judge = self.judge
+        recomputations, comparisons = [first], [judge.compare(case, first)]
+        while judge.wants_another(recomputations, comparisons):
+            another, rest = await self._recompute(case, rest, first.version.digest)
+            if another is None:
+                break
+            recomputations.append(another)
+            comparisons.append(judge.compare(case, another))
+        self._after(judge.settle(case, recomputations, comparisons))
 
     async def _fetch(self, microbatch: str, boundary: int, hop: Hop | None, below: Crossing | None) -> Crossing | None:
         """The crossing of ``boundary`` from the verifier that relayed it (this one, or the route's next)."""
@@ -385,11 +388,8 @@ class VerifierAudits:
 
     def _after(self, result: AuditResult) -> None:
         case, outcome = result.case, result.outcome
-        if outcome is AuditOutcome.PASSED:
-            self._publish(case.audited, case, result.first.direction)
-            return
-        evidence = {**result.evidence, "audited": case.audited, "outcome": outcome.value}
-        self.failures.append(evidence)
+        if outcome is not AuditOutcome.PASSED:
+            self.failures.append({**result.evidence, "audited": case.audited, "outcome": outcome.value})
         if outcome is AuditOutcome.CONVICTED:
             self.evidence[case.audited] = result.evidence
             logger.warning(
@@ -397,19 +397,14 @@ class VerifierAudits:
                 f"{result.first.finding.value} {result.first.direction}, error {result.first.error:.3g} "
                 f"(auditors {', '.join(result.auditors)}); banning it"
             )
-            self._publish(case.audited, case, result.first.direction)
-        elif outcome is AuditOutcome.CONTRADICTED:
-            logger.warning(
-                f"auditor {result.auditors[0]} was contradicted by {result.auditors[1]} and the audited replica on "
-                f"microbatch {case.microbatch}: a strike for the auditor"
-            )
-            self._publish(case.audited, case, result.first.direction)
-            self._publish_strike(result.auditors[0], case, "contradicted recomputation")
-        else:
+        elif outcome is not AuditOutcome.PASSED:
             logger.info(
                 f"audit of {case.audited} on microbatch {case.microbatch}: {outcome.value} "
-                f"(first auditor {result.auditors[0]}, error {result.first.error:.3g}); no strike"
+                f"(auditors {', '.join(result.auditors)}, first error {result.first.error:.3g}); no strike for it"
             )
+        self._publish(case.audited, case, result.first.direction)
+        for auditor in result.contradicted:
+            self._publish_strike(auditor, case, "a recomputation two other replicas contradicted")
 
     def _publish_strike(self, peer: str, case: AuditCase, why: str) -> None:
         logger.info(f"a strike for auditor {peer} ({why})")

@@ -42,6 +42,7 @@ class AuditStats:
     no_auditor: int = 0  # drawn, but the stage had no other live replica
     honest_errors: list[tuple[str, bool, float]] = field(default_factory=list)  # (direction, exact, error)
     convictions: list[dict] = field(default_factory=list)  # evidence
+    contradicted: Counter = field(default_factory=Counter)  # honest auditor -> recomputations two others contradicted
 
     def summary(self) -> dict:
         def count(honest: bool) -> dict[str, int]:
@@ -65,6 +66,7 @@ class AuditStats:
             "malicious": count(False),
             "honest_audits": sum(honest.values()),
             "honest_failed_first": self.first_failed[True],
+            "honest_auditors_contradicted": self.contradicted[True],
             "incomparable": self.incomparable,
             "no_auditor": self.no_auditor,
             "honest_error": errors,
@@ -145,11 +147,14 @@ class MeshAudits:
             self.stats.incomparable += 1
             return None
         judge = station.judge
-        comparison = judge.first(case, first)
-        second = None
-        if comparison.failed:
-            second, _ = self._recompute(case, rest, first.version.digest)
-        result = judge.settle(case, first, comparison, second)
+        recomputations, comparisons = [first], [judge.compare(case, first)]
+        while judge.wants_another(recomputations, comparisons):
+            another, rest = self._recompute(case, rest, first.version.digest)
+            if another is None:
+                break
+            recomputations.append(another)
+            comparisons.append(judge.compare(case, another))
+        result = judge.settle(case, recomputations, comparisons)
         self._count(case, result)
         return result
 
@@ -179,3 +184,7 @@ class MeshAudits:
         if result.outcome is AuditOutcome.CONVICTED:
             self.stats.convictions.append({**result.evidence, "audited": case.audited, "honest": honest})
             self.mesh.exclude(case.audited, case.step)
+        for auditor in result.contradicted:
+            self.stats.contradicted[not self.mesh.worker(auditor).malicious] += 1
+            if self.stations[max(0, case.stage - 1)].judge.strikes.is_banned(auditor):
+                self.mesh.exclude(auditor, case.step)

@@ -13,29 +13,30 @@ until it applies its first optimizer step after the round; from then on each rep
 
 - Two recomputations from the same reference are the same computation: they agree within ``tolerance.exact`` (on
   a CPU in fp32 they are bitwise equal). That is how two auditors are compared.
-- A claim is compared with the reference recomputation by the relative error of the stage's *contribution*, per
-  direction (:func:`contribution_error`): a residual stage's output is its input plus what its layers add, so the
-  error is measured against what they add (and the input gradient against what the layers add to the output
-  gradient; on stage 0, against what its layers add to its token embeddings); on the last stage's input gradient,
-  against the tensor itself. Within
-  ``tolerance.exact`` it is the reference computation itself; within the calibrated tolerance
-  (``tolerance.activation`` / ``tolerance.gradient``) it is what a replica that drifted honestly since the round
-  sends; beyond it, the stage did not compute what it claims. A stage that returns its input (or passes the
-  output gradient back as its input gradient) has a contribution error of exactly 1.
-- A claim equal to the reference computation although the verifiers saw the replica complete a training
-  microbatch since the round (so it must have stepped, and its parameters must have moved) proves that it did not
-  apply its optimizer step: a frozen replica, the one cheat a tolerance cannot see.
+- A claim is compared with the reference recomputation by its relative error, per direction. On a middle stage it
+  is the error of the stage's *contribution* (:func:`contribution_error`): the stage's output is its input plus
+  what its layers add, so the error is measured against what they add (and the input gradient against what the
+  layers add to the output gradient). On stage 0's output and the last stage's input gradient it is the plain
+  relative error. Within ``tolerance.exact`` the claim is the reference computation itself; within the calibrated
+  tolerance (``tolerance.activation`` / ``tolerance.gradient``) it is what a replica that drifted honestly since
+  the round sends; beyond it, the stage did not compute what it claims.
+- Two exact tests need no tolerance. A claim equal to what passes through the stage's layers (its input as its
+  output, the output gradient as its input gradient, stage 0's bare token embeddings) says its layers added
+  nothing: a stage that skipped its work. A claim equal to the reference computation although the verifiers saw
+  the replica complete a training microbatch since the round (so it must have stepped, and its parameters must
+  have moved) proves that it did not apply its optimizer step: a frozen replica. Honest drift can hide neither.
 
 Judgement (:func:`decide`). One auditor can lie, so a failed comparison convicts only when a second, independent
-auditor's recomputation agrees with the first's and also fails the claim. When the second agrees with the audited
-stage instead, the first auditor is the one contradicted. With fewer than three replicas of a stage there is no
-second auditor, and a failed audit stays an unconfirmed accusation that never bans anyone.
+auditor's recomputation agrees with the first's and also fails the claim (when the first two disagree, a third
+decides between them). When an auditor bears the claim out instead, the auditors that failed it are the ones
+contradicted. With fewer than three replicas of a stage there is no second auditor, and a failed audit stays an
+unconfirmed accusation that never bans anyone; a conviction against a lying auditor needs four.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -118,11 +119,12 @@ class Finding(Enum):
     SAME = "same"  # within the exact tolerance in every direction: the reference computation itself
     DRIFTED = "drifted"  # within the divergence tolerance: what an honest replica sends between rounds
     MISMATCH = "mismatch"  # beyond the divergence tolerance in some direction: not what it claims to be
+    SKIPPED = "skipped"  # exactly what passes through the stage's layers: they added nothing
     FROZEN = "frozen"  # the reference computation, although the replica must have stepped since the round
 
     @property
     def failed(self) -> bool:
-        return self in (Finding.MISMATCH, Finding.FROZEN)
+        return self in (Finding.MISMATCH, Finding.SKIPPED, Finding.FROZEN)
 
 
 @dataclass(frozen=True)
@@ -148,17 +150,26 @@ def compare(
     tolerance: AuditTolerance,
     must_have_stepped: bool,
     passthrough: Work = Work(),
+    residual: bool = True,
 ) -> Comparison:
     """Judges a claim against the reference recomputation. ``must_have_stepped``: the replica completed a training
     microbatch after the round and before this one, so an honest replica's parameters have left the reference.
-    ``passthrough``: what passes through a residual stage unchanged (``output``: its input; ``grad_input``: the
-    output gradient it was given), against which contributions are measured."""
+    ``passthrough``: what passes through the stage's layers unchanged (``output``: a middle stage's input or stage
+    0's embeddings; ``grad_input``: the output gradient it was given); with ``residual``, errors are measured
+    against what the layers add to it."""
     directions = recomputed.directions() or claimed.directions()
-    errors = {
-        d: contribution_error(claimed.tensor(d), recomputed.tensor(d), passthrough.tensor(d)) for d in directions
-    }
+    base = passthrough if residual else Work()
+    errors = {d: contribution_error(claimed.tensor(d), recomputed.tensor(d), base.tensor(d)) for d in directions}
+    skipped = [
+        d
+        for d in directions
+        if passthrough.tensor(d) is not None
+        and contribution_error(claimed.tensor(d), passthrough.tensor(d), recomputed.tensor(d)) <= tolerance.exact
+    ]
     worst = max(directions, key=lambda d: errors[d] / tolerance.divergence(d))
-    if any(errors[d] > tolerance.divergence(d) for d in directions):
+    if skipped:
+        finding, worst = Finding.SKIPPED, skipped[0]
+    elif any(errors[d] > tolerance.divergence(d) for d in directions):
         finding = Finding.MISMATCH
     elif all(errors[d] <= tolerance.exact for d in directions):
         finding = Finding.FROZEN if must_have_stepped else Finding.SAME
@@ -179,25 +190,53 @@ class AuditOutcome(Enum):
 
     PASSED = "passed"  # the first auditor's recomputation bears the claim out
     CONVICTED = "convicted"  # two auditors agree with each other and both fail the claim: a ban
-    CONTRADICTED = "contradicted"  # the second auditor agrees with the audited stage: the first auditor is wrong
-    DISPUTED = "disputed"  # the two auditors disagree with each other and the second fails the claim too
+    CONTRADICTED = "contradicted"  # an auditor bears the claim out against the one(s) that failed it: no strike
+    DISPUTED = "disputed"  # auditors failed the claim but no two of them agree: no strike
     UNCONFIRMED = "unconfirmed"  # the first failed the claim and no second auditor answered (or exists)
 
-    @property
-    def failed(self) -> bool:
-        return self is AuditOutcome.CONVICTED
+
+# An audit asks at most this many auditors: a second to confirm a failure, a third when the first two disagree.
+MAX_AUDITORS = 3
 
 
-def decide(first: Comparison, second: Comparison | None, auditors_agree: bool | None) -> AuditOutcome:
-    """The outcome of an audit whose first comparison is ``first``; ``second`` (and whether the two
-    recomputations agree) when a second auditor answered after the first failed the claim."""
-    if not first.failed:
-        return AuditOutcome.PASSED
-    if second is None:
-        return AuditOutcome.UNCONFIRMED
-    if not second.failed:
-        return AuditOutcome.CONTRADICTED
-    return AuditOutcome.CONVICTED if auditors_agree else AuditOutcome.DISPUTED
+@dataclass(frozen=True)
+class Decision:
+    """An audit's outcome, and the auditors (by index) whose recomputation two others contradict."""
+
+    outcome: AuditOutcome
+    contradicted: tuple[int, ...] = ()
+    convicting: tuple[int, ...] = ()  # the two agreeing auditors behind a conviction
+
+
+def decide(comparisons: Sequence[Comparison], agree: Callable[[int, int], bool]) -> Decision:
+    """The outcome of an audit from each auditor's comparison with the claim (in the order they were asked) and
+    whether two auditors' recomputations agree (``agree(i, j)``).
+
+    A conviction needs two auditors that agree with each other and both fail the claim; any other auditor that
+    disagrees with them is contradicted. Without such a pair, an auditor that bears the claim out contradicts the
+    auditors that failed it and disagree with it. One auditor alone never convicts anyone."""
+    if not comparisons[0].failed:
+        return Decision(AuditOutcome.PASSED)
+    if len(comparisons) == 1:
+        return Decision(AuditOutcome.UNCONFIRMED)
+    indices = range(len(comparisons))
+    for i in indices:
+        for j in indices[i + 1 :]:
+            if comparisons[i].failed and comparisons[j].failed and agree(i, j):
+                others = tuple(k for k in indices if k not in (i, j) and not agree(k, i))
+                return Decision(AuditOutcome.CONVICTED, others, (i, j))
+    passing = [k for k in indices if not comparisons[k].failed]
+    if passing:
+        against = tuple(k for k in indices if comparisons[k].failed and not agree(k, passing[0]))
+        return Decision(AuditOutcome.CONTRADICTED, against)
+    return Decision(AuditOutcome.DISPUTED)
+
+
+def wants_another(comparisons: Sequence[Comparison], agree: Callable[[int, int], bool]) -> bool:
+    """Whether an audit in this state should ask one more auditor (up to :data:`MAX_AUDITORS`)."""
+    outcome = decide(comparisons, agree).outcome
+    undecided = outcome in (AuditOutcome.UNCONFIRMED, AuditOutcome.DISPUTED)
+    return undecided and len(comparisons) < MAX_AUDITORS
 
 
 @dataclass
@@ -206,10 +245,10 @@ class AuditCounts:
 
     passed: int = 0
     convicted: int = 0
-    contradicted: int = 0  # audits of this peer in which the first auditor was contradicted (it was cleared)
+    contradicted: int = 0  # audits of this peer in which an auditor bore its claim out against the accusers
     disputed: int = 0
     unconfirmed: int = 0
-    contradicting: int = 0  # as an auditor: recomputations contradicted by the audited stage and another auditor
+    contradicting: int = 0  # as an auditor: recomputations two others contradicted (each a strike)
     refused: int = 0  # as an auditor: requests refused, failed or timed out
     refusal_streak: int = 0
 
