@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from sentinel_node.verification.audit import Work
+
 AttackFn = Callable[[torch.Tensor, int, dict], torch.Tensor]
 DIRECTIONS = ("activation", "gradient")
 
@@ -200,6 +202,10 @@ class StageAttack:
     def applies_step(self, step: int) -> bool:
         return True
 
+    def recomputation(self, work: Work, step: int, context: StageContext) -> Work:
+        """What it answers when a verifier asks it, as an auditor, to recompute a microbatch of another replica."""
+        return work
+
 
 class Stale(StageAttack):
     """Never applies its optimizer step: a free rider serving with the parameters averaging last left it, saving the
@@ -258,7 +264,23 @@ class Replay(StageAttack):
         return self._swap("gradient", grad_input)
 
 
-STAGE_ATTACKS: dict[str, type[StageAttack]] = {"stale": Stale, "skip": Skip, "replay": Replay}
+class LyingAuditor(StageAttack):
+    """Trains and answers honestly, and lies whenever it audits another replica: it says the stage's layers add the
+    opposite of what they add (what would fail an honest claim), trying to get honest replicas banned."""
+
+    def recomputation(self, work: Work, step: int, context: StageContext) -> Work:
+        inputs, grad_output = context.inputs, context.grad_output
+        output = work.output
+        if output is not None:
+            base = work.embedding if work.embedding is not None else inputs
+            output = 2 * base - output if base is not None and base.is_floating_point() else -output
+        grad_input = work.grad_input
+        if grad_input is not None:
+            grad_input = 2 * grad_output - grad_input if grad_output is not None else -grad_input
+        return Work(output=output, grad_input=grad_input, embedding=work.embedding)
+
+
+STAGE_ATTACKS: dict[str, type[StageAttack]] = {"stale": Stale, "skip": Skip, "replay": Replay, "lie": LyingAuditor}
 ATTACK_NAMES: tuple[str, ...] = (*CATALOGUE, *STAGE_ATTACKS)
 
 
@@ -446,6 +468,15 @@ def arm(
         for direction in directions
         if sends(direction, stage, n_stages)
     }
+
+
+def lies_in_audits(attackers: dict[str, Attacker]) -> Callable[[Work, int, StageContext], Work] | None:
+    """What a red-team replica answers to recompute requests, given the honest recomputation (None: the truth)."""
+    hooks = [a.fn for a in attackers.values() if isinstance(a.fn, StageHook)]
+    if not hooks:
+        return None
+    attack, start = hooks[0].attack, min(a.start for a in attackers.values())
+    return lambda work, step, context: attack.recomputation(work, step, context) if step >= start else work
 
 
 def refuses_steps(attackers: dict[str, Attacker]) -> Callable[[int], bool] | None:

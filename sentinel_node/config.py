@@ -94,6 +94,7 @@ AUDIT_FIELDS = frozenset(
     {
         "audit_rate",
         "audit_tolerance",
+        "audit_drift_factor",
         "audit_exact",
         "audit_timeout",
         "audit_queue",
@@ -143,7 +144,10 @@ class VerificationConfig(_Strict):
         0.02, ge=0, le=1, description="share of settled microbatches whose work a verifier has recomputed, per stage"
     )
     audit_tolerance: float = Field(
-        1.5, gt=0, description="relative error (of a middle stage's contribution) beyond which a claim fails an audit"
+        0.5, gt=0, description="relative error a claim may always show (of a middle stage's contribution)"
+    )
+    audit_drift_factor: float = Field(
+        4.0, gt=0, description="a claim may drift this many times the auditor's own drift per step, per step"
     )
     audit_exact: float = Field(1e-5, gt=0, description="relative error at or below which two results are the same")
     audit_timeout: float = Field(30.0, gt=0, description="seconds an audit may take before it is dropped")
@@ -169,7 +173,7 @@ class VerificationConfig(_Strict):
         """The audit tolerances as the verification core takes them."""
         from sentinel_node.verification.audit import AuditTolerance
 
-        return AuditTolerance(exact=self.audit_exact, activation=self.audit_tolerance, gradient=self.audit_tolerance)
+        return AuditTolerance(exact=self.audit_exact, floor=self.audit_tolerance, factor=self.audit_drift_factor)
 
 
 class SwarmConfig(_Strict):

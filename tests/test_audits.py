@@ -7,6 +7,8 @@ every audit recomputes a stage's work with the replicas' shared reference parame
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -33,6 +35,7 @@ from sentinel_node.verification.audit import (
     AuditLedger,
     AuditOutcome,
     AuditTolerance,
+    Drift,
     Finding,
     Work,
     compare,
@@ -43,7 +46,7 @@ from sentinel_node.verification.audit import (
     wants_another,
 )
 
-TOLERANCE = AuditTolerance(exact=1e-5, activation=1.5, gradient=1.5)
+TOLERANCE = AuditTolerance(exact=1e-5, floor=0.5, factor=3.0)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -95,6 +98,21 @@ def test_compare_tells_the_reference_computation_drift_mismatch_and_a_frozen_rep
     inverted = compare(Work(output=y, grad_input=-g), reference, TOLERANCE, must_have_stepped=False)
     assert inverted.finding is Finding.MISMATCH and inverted.direction == "gradient"
     assert inverted.error == pytest.approx(2.0)
+
+
+def test_the_allowance_is_the_drift_the_auditor_measured_on_its_own_parameters():
+    y, g = tensor(4), tensor(5)
+    reference, far = Work(output=y, grad_input=g), Work(output=y * 2.5, grad_input=g)  # an error of 1.5
+    fast = Drift(steps=2, errors={"activation": 0.6, "gradient": 0.1})  # early training: 0.3 per step
+    slow = Drift(steps=2, errors={"activation": 0.02, "gradient": 0.01})
+    assert compare(far, reference, TOLERANCE, False, drift=fast, steps=3).finding is Finding.DRIFTED  # < 2.7
+    late = compare(far, reference, TOLERANCE, False, drift=slow, steps=3)
+    assert late.finding is Finding.MISMATCH and late.allowances["activation"] == TOLERANCE.floor
+    blind = compare(far, reference, TOLERANCE, False, drift=Drift(), steps=3)  # the auditor never stepped
+    assert blind.finding is Finding.DRIFTED and math.isinf(blind.allowances["activation"])
+    assert compare(far, reference, TOLERANCE, False, drift=Drift(), steps=0).failed  # no step since: no drift
+    skipped = compare(Work(output=y), Work(output=y + 0.1), TOLERANCE, False, passthrough=Work(output=y))
+    assert skipped.finding is Finding.SKIPPED  # its layers added nothing, whatever the allowance
 
 
 # --- the judgement --------------------------------------------------------------------------------------------------
@@ -155,7 +173,8 @@ def test_a_recomputation_is_the_training_computation_and_touches_nothing_of_the_
     worker = StageWorker(config.model, config.pipeline, 1, seed=0)
     x, g = tensor(6, (2, 8, 16)), tensor(7, (2, 8, 16))
     pending = worker.forward("pending", tensor(8, (2, 8, 16)))  # a microbatch awaiting its backward
-    work, version = worker.recompute(0, x, g)
+    work, version, drift = worker.recompute(0, x, g)
+    assert drift.steps == 0  # it has not stepped since the reference
     assert version.round_step == -1 and version.members is None
     assert all(p.grad is None for p in worker.module.parameters())  # nothing accumulated
     output = worker.forward("audited", x)
@@ -167,13 +186,14 @@ def test_a_recomputation_is_the_training_computation_and_touches_nothing_of_the_
 def test_recomputation_uses_the_reference_not_the_replicas_own_parameters(config):
     worker = StageWorker(config.model, config.pipeline, 2, seed=0)  # the last stage
     x, targets = tensor(9, (2, 8, 16)), torch.randint(0, 256, (2, 8))
-    before, _ = worker.recompute(0, x, targets=targets)
+    before, _, _ = worker.recompute(0, x, targets=targets)
     worker.forward_backward_loss("m", x, targets)
     assert worker.step(0)  # its own parameters moved
-    after, _ = worker.recompute(1, x, targets=targets)
+    after, _, drift = worker.recompute(1, x, targets=targets)
     assert torch.equal(before.grad_input, after.grad_input)
+    assert drift.steps == 1 and drift.errors["gradient"] > 0  # its own parameters moved it this far
     worker.set_reference(round_step=4, applies_from=5, members=["a", "b"])
-    moved, version = worker.recompute(5, x, targets=targets)
+    moved, version, _ = worker.recompute(5, x, targets=targets)
     assert not torch.equal(moved.grad_input, before.grad_input) and version.includes("a")
     assert not version.includes("c")
     with pytest.raises(NoReference):
@@ -183,7 +203,7 @@ def test_recomputation_uses_the_reference_not_the_replicas_own_parameters(config
 def test_stage_zero_recomputes_its_embeddings_too(config):
     worker = StageWorker(config.model, config.pipeline, 0, seed=0)
     tokens = torch.randint(0, 256, (2, 8))
-    work, _ = worker.recompute(0, tokens)
+    work, _, _ = worker.recompute(0, tokens)
     assert torch.equal(work.output, worker.forward("t", tokens))
     assert torch.equal(work.embedding, worker.module.embed(tokens).detach())
 
@@ -230,14 +250,15 @@ def test_the_draw_is_a_share_of_settled_microbatches():
 def test_the_judge_convicts_only_with_two_agreeing_auditors_and_strikes_the_contradicted(config):
     worker = StageWorker(config.model, config.pipeline, 1, seed=0)
     below, above = crossing("m", 0, "s0", "cheat", 30), crossing("m", 1, "cheat", "s2", 40)
-    honest, version = worker.recompute(3, below.activation, above.gradient)
+    honest, version, _ = worker.recompute(3, below.activation, above.gradient)
     above.activation = honest.output
     below.gradient = -honest.grad_input  # the gradient it sent back, inverted
     case = assemble(1, 3, below, above)
     strikes = SenderStrikes(3, 100)
     judge = AuditJudge(TOLERANCE, strikes, AuditLedger(), lambda *_: False)
-    liar = Recomputation("liar", Work(output=honest.output, grad_input=3 * honest.grad_input), version)
-    auditors = [Recomputation(name, honest, version) for name in ("h1", "h2")]
+    drift = Drift(steps=1, errors={"activation": 0.01, "gradient": 0.01})
+    liar = Recomputation("liar", Work(output=honest.output, grad_input=3 * honest.grad_input), version, drift)
+    auditors = [Recomputation(name, honest, version, drift) for name in ("h1", "h2")]
     recs = [liar, *auditors]
     result = judge.settle(case, recs, [judge.compare(case, r) for r in recs])
     assert result.outcome is AuditOutcome.CONVICTED and strikes.is_banned("cheat")
@@ -293,7 +314,7 @@ def test_an_attack_file_may_name_a_stage_attack_class(tmp_path):
     assert torch.equal(attackers["gradient"](g, 0)[0], g * 0.5)
     with pytest.raises(AttackError, match="StageAttack"):
         load_attack_file(f"{path}:NotOne")
-    assert set(STAGE_ATTACKS) == {"stale", "skip", "replay"}
+    assert set(STAGE_ATTACKS) == {"stale", "skip", "replay", "lie"}
     assert isinstance(attackers["gradient"], Attacker)
 
 
@@ -330,20 +351,14 @@ def test_the_mesh_convicts_a_gradient_inverter_that_statistics_miss(corpus):
 
 def test_a_lying_auditor_cannot_frame_an_honest_replica(corpus):
     config = mesh_config(audit_rate=1.0)
-    mesh = Mesh(config, corpus)  # no attacker: every replica trains honestly; one lies when it audits
-    liar = mesh.workers[1][0].worker
-    honest_recompute = liar.recompute
-
-    def lie(step, inputs, grad_output=None, targets=None, max_age=None):
-        work, version = honest_recompute(step, inputs, grad_output, targets, max_age)
-        # says the stage's layers add the opposite of what they add, in both directions
-        return Work(output=2 * inputs - work.output, grad_input=2 * grad_output - work.grad_input), version
-
-    liar.recompute = lie
+    # s1r0 trains honestly and lies whenever it audits: it says the layers add the opposite of what they add
+    liar = AttackPlan("lie", "both", attack_maker("lie")[1])
+    mesh = Mesh(config.with_overrides(sim={"attack_start": 0}), corpus, liar)
     result = mesh.run(steps=12)
-    assert not result.banned_at or set(result.banned_at) == {"s1r0"}  # only the liar may go
-    audits = mesh.audits.stats
-    assert audits.outcomes[True, "convicted"] == 0
-    assert audits.outcomes[True, "contradicted"] > 0  # the liar accused, and was contradicted
+    assert result.malicious == ["s1r0"]
+    assert set(result.banned_at) <= {"s1r0"}  # only the liar may go
+    audits = result.audits
+    assert audits["honest"]["convicted"] == 0 and audits["honest_auditors_contradicted"] == 0
+    assert audits["honest"]["contradicted"] > 0  # the liar accused honest replicas, and was contradicted
     ledger = mesh.verifiers[0][0].ledger
-    assert ledger.peek("s1r0").strikes > 0 or ledger.is_banned("s1r0")
+    assert ledger.peek("s1r0").strikes > 0

@@ -21,6 +21,7 @@ from sentinel_node.verification.audit import (
     AuditOutcome,
     AuditTolerance,
     Comparison,
+    Drift,
     Work,
     agree,
     compare,
@@ -94,11 +95,13 @@ def assemble(stage: int, n_stages: int, below: Crossing | None, above: Crossing 
 
 @dataclass(frozen=True)
 class Recomputation:
-    """What an auditor replica answered: the work recomputed with the reference ``version`` it holds."""
+    """What an auditor replica answered: the work recomputed with the reference ``version`` it holds, and how far
+    its own parameters carried it from there (its ``drift``)."""
 
     auditor: str
     work: Work
     version: ReferenceVersion
+    drift: Drift = Drift()
 
 
 @dataclass(frozen=True)
@@ -170,13 +173,24 @@ class AuditJudge:
         return recomputation.version.includes(case.audited)
 
     def compare(self, case: AuditCase, recomputation: Recomputation) -> Comparison:
-        """The claim against one auditor's recomputation."""
-        must_have_stepped = self.stepped(case.audited, recomputation.version.round_step, case.step)
+        """The claim against one auditor's recomputation, allowed the drift that auditor measured."""
+        round_step = recomputation.version.round_step
+        must_have_stepped = self.stepped(case.audited, round_step, case.step)
+        steps = max(0, case.step - round_step - 1)  # the most steps the audited replica took since the round
         if case.stage == 0:  # stage 0's layers add to its embeddings, which the auditor recomputed
             passthrough, residual = Work(output=recomputation.work.embedding), False
         else:
             passthrough, residual = case.passthrough, True
-        return compare(case.claimed, recomputation.work, self.tolerance, must_have_stepped, passthrough, residual)
+        return compare(
+            case.claimed,
+            recomputation.work,
+            self.tolerance,
+            must_have_stepped,
+            passthrough,
+            residual,
+            recomputation.drift,
+            steps,
+        )
 
     def _agreement(self, recomputations: Sequence[Recomputation]):
         return lambda i, j: agree(recomputations[i].work, recomputations[j].work, self.tolerance)

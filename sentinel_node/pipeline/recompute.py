@@ -57,7 +57,7 @@ class ReferenceParameters:
 
     def __init__(self, module: torch.nn.Module, keep: int = 2) -> None:
         self.names = [name for name, param in module.named_parameters() if param.requires_grad]
-        self._versions: deque[tuple[ReferenceVersion, dict[str, torch.Tensor]]] = deque(maxlen=keep)
+        self._versions: deque[tuple[ReferenceVersion, dict[str, torch.Tensor], int]] = deque(maxlen=keep)
 
     @torch.no_grad()
     def set(
@@ -66,15 +66,17 @@ class ReferenceParameters:
         round_step: int,
         applies_from: int,
         members: Sequence[str] | None,
+        steps_at: int = 0,
     ) -> ReferenceVersion:
-        """Keeps a copy of ``params`` (the module's trainable parameters, in order) as a new version."""
+        """Keeps a copy of ``params`` (the module's trainable parameters, in order) as a new version; ``steps_at``:
+        how many optimizer steps the replica had applied when the round took its snapshot."""
         if len(params) != len(self.names):
             raise ValueError(f"expected {len(self.names)} parameter tensors, got {len(params)}")
         copies = [p.detach().clone() for p in params]
         version = ReferenceVersion(
             round_step, applies_from, parameters_digest(copies), None if members is None else tuple(sorted(members))
         )
-        self._versions.append((version, dict(zip(self.names, copies, strict=True))))
+        self._versions.append((version, dict(zip(self.names, copies, strict=True)), steps_at))
         return version
 
     def clear(self) -> None:
@@ -85,16 +87,16 @@ class ReferenceParameters:
     def latest(self) -> ReferenceVersion | None:
         return self._versions[-1][0] if self._versions else None
 
-    def for_step(self, step: int, max_age: int) -> tuple[ReferenceVersion, dict[str, torch.Tensor]]:
-        """The version this replica computed step ``step`` with; NoReference when there is none, or when it was
-        taken more than ``max_age`` steps before (honest replicas have drifted further than audits allow)."""
-        for version, params in reversed(self._versions):
+    def for_step(self, step: int, max_age: int) -> tuple[ReferenceVersion, dict[str, torch.Tensor], int]:
+        """The version this replica computed step ``step`` with, its parameters and the replica's step count at its
+        snapshot; NoReference when there is none, or when it was taken more than ``max_age`` steps before."""
+        for version, params, steps_at in reversed(self._versions):
             if version.applies_from <= step:
                 if step - version.round_step > max_age:
                     raise NoReference(
                         f"the reference parameters from step {version.round_step} are too old for step {step}"
                     )
-                return version, params
+                return version, params, steps_at
         raise NoReference(f"no reference parameters for step {step}")
 
 

@@ -12,7 +12,7 @@ from sentinel_node.config import ModelConfig, PipelineConfig
 from sentinel_node.model import StageModule, build_stage
 from sentinel_node.pipeline.device import choose_precision, make_optimizer, resolve_device
 from sentinel_node.pipeline.recompute import ReferenceParameters, ReferenceVersion, recompute
-from sentinel_node.verification.audit import Work
+from sentinel_node.verification.audit import Drift, Work, errors_against
 
 logger = get_logger(__name__)
 
@@ -135,11 +135,18 @@ class StageWorker:
         return [p for p in self.module.parameters() if p.requires_grad]
 
     def set_reference(
-        self, round_step: int, applies_from: int, members: Sequence[str] | None, params: Sequence[torch.Tensor] = ()
+        self,
+        round_step: int,
+        applies_from: int,
+        members: Sequence[str] | None,
+        params: Sequence[torch.Tensor] = (),
+        steps_at: int | None = None,
     ) -> ReferenceVersion:
         """Keeps ``params`` (default: the module's current parameters) as the reference of the averaging round that
-        took its snapshot after step ``round_step``; this replica computes step ``applies_from`` on with it."""
-        return self.reference.set(list(params) or self.trainable(), round_step, applies_from, members)
+        took its snapshot after step ``round_step``; this replica computes step ``applies_from`` on with it.
+        ``steps_at``: its own step count at the snapshot (default: now)."""
+        steps_at = self.steps if steps_at is None else steps_at
+        return self.reference.set(list(params) or self.trainable(), round_step, applies_from, members, steps_at)
 
     def recompute(
         self,
@@ -148,12 +155,24 @@ class StageWorker:
         grad_output: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
         max_age: int | None = None,
-    ) -> tuple[Work, ReferenceVersion]:
+    ) -> tuple[Work, ReferenceVersion, Drift]:
         """The stage's work on a microbatch of global step ``step``, recomputed with the reference parameters this
-        replica held for that step (under the same autocast as training); its own parameters, gradients and
+        replica held for that step (under the same autocast as training), and how far its own parameters have
+        carried it from there on the same microbatch (its :class:`Drift`); its parameters, their gradients and its
         pending microbatches are untouched. NoReference when it holds none younger than ``max_age`` steps
         (default: one averaging period)."""
         age = self.pipeline.average_every if max_age is None else max_age
-        version, params = self.reference.for_step(step, age)
-        work = recompute(self.module, params, inputs, grad_output, targets, autocast=self._autocast())
-        return work, version
+        version, params, steps_at = self.reference.for_step(step, age)
+        autocast = self._autocast
+        work = recompute(self.module, params, inputs, grad_output, targets, autocast=autocast())
+        steps = self.steps - steps_at
+        if steps <= 0:
+            return work, version, Drift()
+        own = {name: p.detach() for name, p in self.module.named_parameters() if p.requires_grad}
+        current = recompute(self.module, own, inputs, grad_output, targets, autocast=autocast())
+        if self.is_first:
+            errors = errors_against(current, work, Work(output=work.embedding), residual=False)
+        else:
+            passthrough = Work(output=None if self.is_last else inputs, grad_input=grad_output)
+            errors = errors_against(current, work, passthrough, residual=True)
+        return work, version, Drift(steps, errors)

@@ -21,6 +21,7 @@ stage cannot influence or observe the choice before it answered (docs/decisions.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import Counter, deque
 from typing import TYPE_CHECKING
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from hivemind.utils import get_logger
 
+from sentinel_node.attacks import StageContext
 from sentinel_node.pipeline.audits import AuditCase, AuditJudge, AuditResult, Recomputation, assemble
 from sentinel_node.pipeline.recompute import NoReference, ReferenceVersion
 from sentinel_node.pipeline.relay_cache import AuditDraw, Crossing, RelayCache
@@ -42,7 +44,7 @@ from sentinel_node.roles.wire import (
     RecomputeRequest,
 )
 from sentinel_node.transport import Answer, Hop, HopError, HopRefused, Incoming, TensorServer, call_peer
-from sentinel_node.verification.audit import AuditLedger, AuditOutcome, Work
+from sentinel_node.verification.audit import AuditLedger, AuditOutcome, Drift, Work
 
 if TYPE_CHECKING:
     from sentinel_node.roles.stage import StageNode
@@ -101,7 +103,11 @@ class StageRecompute:
             raise HopRefused(f"tokens must be ids in [0, {node.shapes.vocab})")
         await node.lane.wait_idle(min(IDLE_WAIT_S, incoming.time_left() / 2))
         try:
-            work, version = await node.lane.run(self._recompute, meta.step, incoming.tensors)
+            work, version, drift = await node.lane.run(self._recompute, meta.step, incoming.tensors)
+            if node.lies_in_audits is not None:  # a red-team replica
+                inputs, other = incoming.tensors[0], incoming.tensors[-1]
+                context = StageContext(inputs=inputs, grad_output=other if other.is_floating_point() else None)
+                work = node.lies_in_audits(work, meta.step, context)
         except NoReference as e:
             self.stats["unavailable"] += 1
             logger.debug(f"stage {node.stage}: no recomputation for microbatch {meta.microbatch_id}: {e}")
@@ -118,10 +124,12 @@ class StageRecompute:
                 applies_from=version.applies_from,
                 digest=version.digest,
                 members=None if version.members is None else list(version.members),
+                drift_steps=drift.steps,
+                drift={d: min(float(e), 1e9) for d, e in drift.errors.items() if math.isfinite(e)},
             ),
         )
 
-    def _recompute(self, step: int, tensors: list[torch.Tensor]) -> tuple[Work, ReferenceVersion]:
+    def _recompute(self, step: int, tensors: list[torch.Tensor]) -> tuple[Work, ReferenceVersion, Drift]:
         worker = self.node.worker
         if worker.is_first:
             return worker.recompute(step, tensors[0])
@@ -371,7 +379,8 @@ class VerifierAudits:
                 if self.judge.refused(peer):
                     self._publish_strike(peer, case, "malformed recomputations")
                 continue
-            return Recomputation(peer, work, version), candidates[index + 1 :]
+            drift = Drift(meta.drift_steps, dict(meta.drift))
+            return Recomputation(peer, work, version, drift), candidates[index + 1 :]
         return None, []
 
     def _work(self, case: AuditCase, tensors: list[torch.Tensor]) -> Work | None:

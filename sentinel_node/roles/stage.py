@@ -39,7 +39,15 @@ from hivemind.utils.performance_ema import PerformanceEMA
 
 from dht import StageAnnouncement
 from peers import LivenessBlacklist
-from sentinel_node.attacks import Attacker, AttackError, StageContext, arm, attack_maker, refuses_steps
+from sentinel_node.attacks import (
+    Attacker,
+    AttackError,
+    StageContext,
+    arm,
+    attack_maker,
+    lies_in_audits,
+    refuses_steps,
+)
 from sentinel_node.config import Config
 from sentinel_node.pipeline import StageWorker
 from sentinel_node.pipeline.device import DeviceError
@@ -197,7 +205,8 @@ class StageNode(Node):
         self.forward_cpu_s = 0.0  # of training forwards alone: what a verifier's check is weighed against
         self.forwards = 0
         self.recompute = StageRecompute(self)  # recomputation audits (sentinel_node/roles/audits.py)
-        self._averaged_round: tuple[int, list[str]] | None = None  # the finished round's step and group
+        self.lies_in_audits = lies_in_audits(attackers)  # a red-team replica may lie as an auditor
+        self._averaged_round: tuple[int, list[str], int] | None = None  # a finished round's step, group, step count
 
     # --- lifecycle hooks
 
@@ -503,8 +512,8 @@ class StageNode(Node):
     def _keep_reference(self, step: int) -> None:
         """Recomputation audits: the round just merged is the stage's reference from the next step on."""
         if self._averaged_round is not None:
-            round_step, group = self._averaged_round
-            self.worker.set_reference(round_step, step + 1, group, params=self.averager.averaged())
+            round_step, group, steps_at = self._averaged_round
+            self.worker.set_reference(round_step, step + 1, group, self.averager.averaged(), steps_at)
             self._averaged_round = None
 
     async def _average(self, step: int) -> None:
@@ -514,11 +523,11 @@ class StageNode(Node):
             self.averaging = None  # nobody to average with (or nobody who would average with us)
             return
         try:
-            snapshot = await self.lane.run(self.averager.snapshot)
+            snapshot, steps_at = await self.lane.run(lambda: (self.averager.snapshot(), self.worker.steps))
             group = await asyncio.to_thread(self.averager.average, step)
             if group is not None:
                 self._averaged = snapshot  # applied with the next step
-                self._averaged_round = (step, group)
+                self._averaged_round = (step, group, steps_at)
                 self.averaged_with = group
                 others = len(group) - 1
                 logger.info(

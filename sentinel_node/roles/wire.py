@@ -4,7 +4,7 @@ global step, and the tensor shapes every hop expects."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
 from pydantic import Field
@@ -102,6 +102,9 @@ class RecomputeReply(WireModel):
     applies_from: int = Field(0, ge=0)
     digest: str = Field("", pattern=r"^([0-9a-f]{16})?$")
     members: list[PeerIdStr] | None = Field(None, max_length=1024)
+    # how far the replica's own parameters carried it from the reference on this microbatch (the audit's allowance)
+    drift_steps: int = Field(0, ge=0)
+    drift: dict[Literal["activation", "gradient"], Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
 
 
 class CrossingRequest(RequestMetadata):

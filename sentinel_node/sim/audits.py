@@ -10,12 +10,14 @@ its own ledger, so a conviction is a ban the mesh acts on like any other.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from sentinel_node.attacks import StageContext, lies_in_audits
 from sentinel_node.pipeline.audits import AuditCase, AuditJudge, AuditResult, Recomputation, assemble
 from sentinel_node.pipeline.recompute import NoReference
 from sentinel_node.pipeline.relay_cache import AuditDraw, Crossing, RelayCache
@@ -40,7 +42,9 @@ class AuditStats:
     first_failed: Counter = field(default_factory=Counter)  # honest -> audits whose first comparison failed
     incomparable: int = 0  # drawn, but no auditor shared the audited replica's reference
     no_auditor: int = 0  # drawn, but the stage had no other live replica
-    honest_errors: list[tuple[str, bool, float]] = field(default_factory=list)  # (direction, exact, error)
+    # honest claims that passed: (direction, exact, error, error over the auditor's drift for the same steps)
+    honest_errors: list[tuple[str, bool, float, float | None]] = field(default_factory=list)
+    uncalibrated: int = 0  # first comparisons whose auditor had not stepped since the round (exact tests only)
     convictions: list[dict] = field(default_factory=list)  # evidence
     contradicted: Counter = field(default_factory=Counter)  # honest auditor -> recomputations two others contradicted
 
@@ -51,15 +55,18 @@ class AuditStats:
         honest = count(True)
         errors = {}
         for direction in ("activation", "gradient"):
-            values = [e for d, exact, e in self.honest_errors if d == direction and not exact]
+            values = [e for d, exact, e, _ in self.honest_errors if d == direction and not exact]
+            ratios = [r for d, exact, _, r in self.honest_errors if d == direction and not exact and r is not None]
             if values:
                 errors[direction] = {
                     "n": len(values),
                     "p50": float(np.median(values)),
                     "p99": float(np.percentile(values, 99)),
                     "max": float(max(values)),
+                    "drift_ratio_p99": float(np.percentile(ratios, 99)) if ratios else None,
+                    "drift_ratio_max": float(max(ratios)) if ratios else None,
                 }
-        exact = [e for _, is_exact, e in self.honest_errors if is_exact]
+        exact = [e for _, is_exact, e, _ in self.honest_errors if is_exact]
         return {
             "run": sum(self.outcomes.values()),
             "honest": honest,
@@ -71,6 +78,7 @@ class AuditStats:
             "no_auditor": self.no_auditor,
             "honest_error": errors,
             "honest_exact": {"n": len(exact), "max": float(max(exact)) if exact else None},
+            "uncalibrated": self.uncalibrated,
             "convictions": self.convictions,
         }
 
@@ -163,14 +171,17 @@ class MeshAudits:
         of that version); with the candidates left after it."""
         for index, worker in enumerate(candidates):
             try:
-                work, version = worker.worker.recompute(
+                work, version, drift = worker.worker.recompute(
                     case.step, case.inputs, case.grad_output, case.targets, max_age=self.max_age
                 )
             except NoReference:
                 continue
+            lie = lies_in_audits(worker.attackers)
+            if lie is not None:
+                work = lie(work, case.step, StageContext(inputs=case.inputs, grad_output=case.grad_output))
             if not version.includes(case.audited) or (digest is not None and version.digest != digest):
                 continue
-            return Recomputation(worker.id, work, version), candidates[index + 1 :]
+            return Recomputation(worker.id, work, version, drift), candidates[index + 1 :]
         return None, []
 
     def _count(self, case: AuditCase, result: AuditResult) -> None:
@@ -180,7 +191,14 @@ class MeshAudits:
             self.stats.first_failed[honest] += 1
         elif honest:
             exact = result.first.finding.value == "same"
-            self.stats.honest_errors += [(d, exact, e) for d, e in result.first.errors.items()]
+            drift, steps = result.recomputations[0].drift, max(0, case.step - result.version.round_step - 1)
+            for direction, error in result.first.errors.items():
+                rate = drift.per_step(direction)
+                expected = None if rate is None or not steps else rate * steps
+                ratio = None if not expected else error / expected
+                self.stats.honest_errors.append((direction, exact, error, ratio))
+        if math.isinf(max(result.first.allowances.values(), default=0.0)):
+            self.stats.uncalibrated += 1
         if result.outcome is AuditOutcome.CONVICTED:
             self.stats.convictions.append({**result.evidence, "audited": case.audited, "honest": honest})
             self.mesh.exclude(case.audited, case.step)

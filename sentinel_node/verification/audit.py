@@ -17,9 +17,14 @@ until it applies its first optimizer step after the round; from then on each rep
   is the error of the stage's *contribution* (:func:`contribution_error`): the stage's output is its input plus
   what its layers add, so the error is measured against what they add (and the input gradient against what the
   layers add to the output gradient). On stage 0's output and the last stage's input gradient it is the plain
-  relative error. Within ``tolerance.exact`` the claim is the reference computation itself; within the calibrated
-  tolerance (``tolerance.activation`` / ``tolerance.gradient``) it is what a replica that drifted honestly since
-  the round sends; beyond it, the stage did not compute what it claims.
+  relative error. Within ``tolerance.exact`` the claim is the reference computation itself. Beyond that, how far
+  an honest replica drifts depends on the model, the learning rate and the point of training (early in training a
+  few steps move a small model's output by more than its whole size), so the allowance is calibrated on every
+  audit by the auditor itself: it computes the microbatch with its own parameters too and reports how far those
+  carried it from the reference, per step of its own (:class:`Drift`); a claim may drift ``tolerance.factor``
+  times that per step it may have taken, never less than ``tolerance.floor``. Beyond its allowance, the stage did
+  not compute what it claims. An auditor that has not stepped since the round cannot calibrate: only the exact
+  tests below judge the claim.
 - Two exact tests need no tolerance. A claim equal to what passes through the stage's layers (its input as its
   output, the output gradient as its input gradient, stage 0's bare token embeddings) says its layers added
   nothing: a stage that skipped its work. A claim equal to the reference computation although the verifiers saw
@@ -85,16 +90,41 @@ def contribution_error(
 
 
 @dataclass(frozen=True)
+class Drift:
+    """How far an auditor's own parameters have carried it from the reference: after ``steps`` optimizer steps of
+    its own, the relative ``errors`` (per direction, measured as claims are) of its own computation of the audited
+    microbatch against the reference one."""
+
+    steps: int = 0
+    errors: dict[str, float] = field(default_factory=dict)
+
+    def per_step(self, direction: str) -> float | None:
+        if self.steps <= 0 or direction not in self.errors:
+            return None
+        return self.errors[direction] / self.steps
+
+
+@dataclass(frozen=True)
 class AuditTolerance:
-    """Relative errors: ``exact`` at or below which two results are one computation; ``activation`` and
-    ``gradient`` the most an honest replica drifts from the reference between averaging rounds."""
+    """``exact``: the relative error at or below which two results are one computation. A claim may drift from
+    the reference by what honest training moves a replica: ``factor`` times the auditor's own drift per step (on
+    this very microbatch) times the steps the audited replica may have taken since the round, and never less than
+    ``floor``."""
 
     exact: float
-    activation: float
-    gradient: float
+    floor: float
+    factor: float
 
-    def divergence(self, direction: str) -> float:
-        return self.activation if direction == "activation" else self.gradient
+    def allowance(self, direction: str, drift: Drift | None, steps: int) -> float:
+        """The largest error an honest claim may show in ``direction`` after at most ``steps`` steps of its own
+        since the reference; infinite (only the exact tests judge) when the auditor has not stepped since the
+        reference and so cannot tell how far a step carries a replica."""
+        if steps <= 0:
+            return self.floor
+        rate = None if drift is None else drift.per_step(direction)
+        if rate is None:
+            return float("inf")
+        return max(self.floor, self.factor * rate * steps)
 
 
 @dataclass(frozen=True)
@@ -129,11 +159,13 @@ class Finding(Enum):
 
 @dataclass(frozen=True)
 class Comparison:
-    """A claim against one recomputation: the relative error per direction, and what it means."""
+    """A claim against one recomputation: the relative error per direction, what it was allowed, and what it
+    means."""
 
     errors: dict[str, float]
     finding: Finding
-    direction: str  # the direction with the largest error relative to its tolerance (the one at fault if failed)
+    direction: str  # the direction with the largest error relative to its allowance (the one at fault if failed)
+    allowances: dict[str, float] = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
@@ -144,6 +176,14 @@ class Comparison:
         return self.errors[self.direction]
 
 
+def errors_against(claimed: Work, reference: Work, passthrough: Work = Work(), residual: bool = True) -> dict:
+    """The relative error of ``claimed`` against ``reference`` per direction (of the stage's contribution, with
+    ``residual``: see :func:`compare`)."""
+    directions = reference.directions() or claimed.directions()
+    base = passthrough if residual else Work()
+    return {d: contribution_error(claimed.tensor(d), reference.tensor(d), base.tensor(d)) for d in directions}
+
+
 def compare(
     claimed: Work,
     recomputed: Work,
@@ -151,32 +191,35 @@ def compare(
     must_have_stepped: bool,
     passthrough: Work = Work(),
     residual: bool = True,
+    drift: Drift | None = None,
+    steps: int = 0,
 ) -> Comparison:
     """Judges a claim against the reference recomputation. ``must_have_stepped``: the replica completed a training
     microbatch after the round and before this one, so an honest replica's parameters have left the reference.
     ``passthrough``: what passes through the stage's layers unchanged (``output``: a middle stage's input or stage
     0's embeddings; ``grad_input``: the output gradient it was given); with ``residual``, errors are measured
-    against what the layers add to it."""
+    against what the layers add to it. ``drift``: the auditor's own; ``steps``: the most optimizer steps the
+    audited replica can have taken since the reference (see :meth:`AuditTolerance.allowance`)."""
     directions = recomputed.directions() or claimed.directions()
-    base = passthrough if residual else Work()
-    errors = {d: contribution_error(claimed.tensor(d), recomputed.tensor(d), base.tensor(d)) for d in directions}
+    errors = errors_against(claimed, recomputed, passthrough, residual)
+    allowances = {d: tolerance.allowance(d, drift, steps) for d in directions}
     skipped = [
         d
         for d in directions
         if passthrough.tensor(d) is not None
         and contribution_error(claimed.tensor(d), passthrough.tensor(d), recomputed.tensor(d)) <= tolerance.exact
     ]
-    worst = max(directions, key=lambda d: errors[d] / tolerance.divergence(d))
+    worst = max(directions, key=lambda d: errors[d] / allowances[d])
     if skipped:
         finding, worst = Finding.SKIPPED, skipped[0]
-    elif any(errors[d] > tolerance.divergence(d) for d in directions):
+    elif any(errors[d] > allowances[d] for d in directions):
         finding = Finding.MISMATCH
     elif all(errors[d] <= tolerance.exact for d in directions):
         finding = Finding.FROZEN if must_have_stepped else Finding.SAME
         worst = max(directions, key=lambda d: errors[d])
     else:
         finding = Finding.DRIFTED
-    return Comparison(errors, finding, worst)
+    return Comparison(errors, finding, worst, allowances)
 
 
 def agree(first: Work, second: Work, tolerance: AuditTolerance) -> bool:
