@@ -362,3 +362,49 @@ def test_a_lying_auditor_cannot_frame_an_honest_replica(corpus):
     assert audits["honest"]["contradicted"] > 0  # the liar accused honest replicas, and was contradicted
     ledger = mesh.verifiers[0][0].ledger
     assert ledger.peek("s1r0").strikes > 0
+
+
+# --- what people see ------------------------------------------------------------------------------------------------
+
+
+def test_swarm_strikes_shows_audits_and_the_evidence_of_a_failed_one():
+    from dht import StrikeRecord, ephemeral_identity
+    from peers import StrikeLedger, SwarmView
+    from sentinel_node.cli.swarm_tables import render_strikes, to_json
+
+    config = load_config()
+    verifier, accused, auditor = (ephemeral_identity().peer_id for _ in range(3))
+    evidence = {
+        "microbatch": "s7:m2:a0",
+        "step": 7,
+        "stage": 1,
+        "finding": "mismatch",
+        "direction": "gradient",
+        "error": 2.0,
+        "confirmed_error": 2.0,
+        "auditors": [auditor, verifier],
+        "digests": {"input": "a" * 64, "grad_input": "b" * 64},
+        "parameters": "0123456789abcdef",
+    }
+    record = StrikeRecord(
+        verifier=verifier,
+        accused=accused,
+        boundary=0,
+        direction="gradient",
+        strikes=3,
+        checks=0,
+        flags=1,
+        metrics={},
+        banned=True,
+        config_hash=config.swarm_hash(),
+        version="test",
+        time=100.0,
+        audits_passed=5,
+        audits_failed=1,
+        audit=evidence,
+    )
+    view = SwarmView(config.pipeline.n_stages, ledger=StrikeLedger.from_records([record]), time=110.0)
+    text = render_strikes(view, config)
+    assert "5/1" in text and "FAILED AUDITS" in text
+    assert "s7:m2:a0" in text and auditor in text and "mismatch gradient" in text and "grad_input=bbbbbbbbbbbb" in text
+    assert to_json(view, config, "strikes")["strikes"][accused][0]["audit"]["microbatch"] == "s7:m2:a0"

@@ -27,7 +27,9 @@ from dht import (
     StrikeRecord,
     SwarmKeys,
     create_identity_file,
+    ephemeral_identity,
     load_identity_file,
+    parse_record,
     swarm_validators,
 )
 
@@ -340,3 +342,46 @@ def test_a_record_of_a_newer_schema_is_read_and_its_new_field_ignored_but_not_ta
     value = signed_value(newer.identity, KEYS.strikes(other), newer.identity.owner_tag, same_schema, expiration)
     assert not any(raw_store(newer, KEYS.strikes(other), newer.identity.owner_tag, value, expiration))
     assert newer.peer_id not in reader.store.strikes(other)
+
+
+EVIDENCE = dict(
+    microbatch="s12:m3:a0",
+    step=12,
+    stage=1,
+    finding="mismatch",
+    direction="gradient",
+    error=2.0,
+    confirmed_error=2.0,
+    auditors=[ephemeral_identity().peer_id, ephemeral_identity().peer_id],
+    digests={"input": "a" * 64, "output": "b" * 64, "grad_output": "c" * 64, "grad_input": "d" * 64},
+    parameters="0123456789abcdef",
+)
+
+
+def test_a_strike_record_carries_the_evidence_of_a_failed_audit_within_bounds():
+    verifier, accused = ephemeral_identity().peer_id, ephemeral_identity().peer_id
+    record = strike(verifier, accused, audits_passed=4, audits_failed=1, audit=EVIDENCE, banned=True, strikes=3)
+    assert parse_record(record.dict()) == record and record.audit.auditors == EVIDENCE["auditors"]
+    for bad in (
+        {"auditors": EVIDENCE["auditors"] * 2},  # at most two: the accuser and the one that confirmed it
+        {"auditors": []},
+        {"digests": {**EVIDENCE["digests"], "weights": "e" * 64}},  # only the stage's four tensors
+        {"digests": {"input": "not-a-digest"}},
+        {"microbatch": "x" * 129},
+        {"error": -1.0},
+        {"error": 2},  # strict: an int is not a float
+        {"finding": "suspicious"},
+    ):
+        with pytest.raises(ValueError):
+            parse_record({**record.dict(), "audit": {**EVIDENCE, **bad}})
+
+
+def test_a_strike_record_of_the_previous_schema_is_read_without_the_audit_fields():
+    from dht.records import SCHEMA
+
+    verifier, accused = ephemeral_identity().peer_id, ephemeral_identity().peer_id
+    old = {k: v for k, v in strike(verifier, accused).dict().items() if not k.startswith("audit")}
+    read = parse_record({**old, "schema": 1})
+    assert read.audits_passed == 0 and read.audit is None and SCHEMA == 2
+    with pytest.raises(ValueError):  # a writer of today's schema must write them
+        parse_record({**old, "schema": SCHEMA})
