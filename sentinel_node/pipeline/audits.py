@@ -202,7 +202,7 @@ class AuditJudge:
     def settle(
         self, case: AuditCase, recomputations: Sequence[Recomputation], comparisons: Sequence[Comparison]
     ) -> AuditResult:
-        """Decides the audit from its auditors' recomputations (all of one reference version), records it and
+        """Decides the audit from its auditors' recomputations (all from one averaging round), records it and
         strikes: a conviction bans the audited replica, and each auditor that two others contradict gets a
         strike."""
         decision = decide(comparisons, self._agreement(recomputations))

@@ -26,8 +26,10 @@ class ReferenceVersion:
 
     ``round_step``: the global step after which the averaging round took its snapshot (-1: the initialisation);
     ``applies_from``: the first global step this replica computed with it; ``digest``: SHA-256 of the parameters
-    (hex, 16 characters), the same on every replica of the round; ``members``: the replicas that averaged in the
-    round (None: every replica that started from the initialisation).
+    (hex, 16 characters; the replicas of a round over the network hold the same average up to rounding, so their
+    digests differ while their recomputations agree within the exact tolerance: versions match by round);
+    ``members``: the replicas that averaged in the round (None: every replica that started from the
+    initialisation).
     """
 
     round_step: int

@@ -64,6 +64,7 @@ class StageRecompute:
     def __init__(self, node: StageNode) -> None:
         self.node = node
         self.stats = Counter()  # served, unavailable
+        self.cpu_s = 0.0  # CPU time of the recomputations (the compute lane's thread)
 
     async def add_handler(self, server: TensorServer) -> None:
         await server.add_handler(
@@ -130,6 +131,13 @@ class StageRecompute:
         )
 
     def _recompute(self, step: int, tensors: list[torch.Tensor]) -> tuple[Work, ReferenceVersion, Drift]:
+        started = time.thread_time()
+        try:
+            return self._recompute_with(step, tensors)
+        finally:
+            self.cpu_s += time.thread_time() - started
+
+    def _recompute_with(self, step: int, tensors: list[torch.Tensor]) -> tuple[Work, ReferenceVersion, Drift]:
         worker = self.node.worker
         if worker.is_first:
             return worker.recompute(step, tensors[0])
@@ -159,7 +167,7 @@ class VerifierAudits:
 
     @property
     def enabled(self) -> bool:
-        return self.node.checker.enabled and self.config.audit_rate > 0
+        return self.node.checker.enabled and self.node.settings.audit and self.config.audit_rate > 0
 
     async def add_handler(self, server: TensorServer) -> None:
         await server.add_handler(VERIFIER_CROSSING, self._serve_crossing, CrossingRequest, authorize=self._admit)
@@ -288,7 +296,7 @@ class VerifierAudits:
         judge = self.judge
         recomputations, comparisons = [first], [judge.compare(case, first)]
         while judge.wants_another(recomputations, comparisons):
-            another, rest = await self._recompute(case, rest, first.version.digest)
+            another, rest = await self._recompute(case, rest, first.version.round_step)
             if another is None:
                 break
             recomputations.append(another)
@@ -335,10 +343,10 @@ class VerifierAudits:
         return None
 
     async def _recompute(
-        self, case: AuditCase, candidates: list[str], digest: str | None
+        self, case: AuditCase, candidates: list[str], round_step: int | None
     ) -> tuple[Recomputation | None, list[str]]:
         """The first candidate's recomputation that the audited replica can be compared with (and, given
-        ``digest``, from that reference version), with the candidates after it. Refusals and failures are noted
+        ``round_step``, from that averaging round), with the candidates after it. Refusals and failures are noted
         against the auditor (repeated ones are a strike)."""
         tensors = [case.inputs]
         if case.grad_output is not None:
@@ -372,7 +380,7 @@ class VerifierAudits:
             version = ReferenceVersion(
                 meta.round_step, meta.applies_from, meta.digest, None if meta.members is None else tuple(meta.members)
             )
-            if not version.includes(case.audited) or (digest is not None and version.digest != digest):
+            if not version.includes(case.audited) or (round_step is not None and version.round_step != round_step):
                 continue
             work = self._work(case, reply.tensors)
             if work is None:

@@ -323,6 +323,7 @@ class StageNode(Node):
             compute_cpu_s=self._cpu_s,
             time=time.time(),
             recomputations=dict(self.recompute.stats),
+            recompute_cpu_s=self.recompute.cpu_s,
             reference=None if self.worker.reference.latest is None else self.worker.reference.latest.digest,
             **self.stats,
             **NodeStatus.view_fields(self.views.view),

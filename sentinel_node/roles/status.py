@@ -74,6 +74,7 @@ class StageStatus(NodeStatus):
     attacked: int
     steps: int
     recomputations: dict[str, int] = {}  # audits this replica recomputed for verifiers: served, unavailable
+    recompute_cpu_s: float = 0.0  # CPU time of those recomputations
     reference: str | None = None  # digest of its audits' reference parameters
 
 

@@ -63,6 +63,7 @@ class VerifierOptions:
     boundaries: tuple[int, ...] = ()  # empty: every boundary of the config
     verify: bool = True  # False: a plain relay (overhead measurements, undefended runs)
     status_file: str | None = None
+    audit: bool = True  # False: checks, but no recomputation audits (overhead measurements)
 
 
 @dataclass

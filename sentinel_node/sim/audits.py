@@ -91,7 +91,7 @@ class MeshAudits:
         config = mesh.config.verification
         self.tolerance = config.audit_tolerances()
         self.n_stages = mesh.n_stages
-        self.max_age = mesh.config.pipeline.average_every
+        self.max_age = 2 * mesh.config.pipeline.average_every
         cache_bytes = int(config.audit_cache_mib * 2**20)
         self.stations: list[Station] = []
         for boundary in range(self.n_stages - 1):
@@ -157,7 +157,7 @@ class MeshAudits:
         judge = station.judge
         recomputations, comparisons = [first], [judge.compare(case, first)]
         while judge.wants_another(recomputations, comparisons):
-            another, rest = self._recompute(case, rest, first.version.digest)
+            another, rest = self._recompute(case, rest, first.version.round_step)
             if another is None:
                 break
             recomputations.append(another)
@@ -166,9 +166,9 @@ class MeshAudits:
         self._count(case, result)
         return result
 
-    def _recompute(self, case: AuditCase, candidates: list, digest: str | None):
-        """The first candidate's recomputation whose reference the audited replica shares (and, given ``digest``,
-        of that version); with the candidates left after it."""
+    def _recompute(self, case: AuditCase, candidates: list, round_step: int | None):
+        """The first candidate's recomputation whose reference the audited replica shares (and, given
+        ``round_step``, from that averaging round); with the candidates left after it."""
         for index, worker in enumerate(candidates):
             try:
                 work, version, drift = worker.worker.recompute(
@@ -179,7 +179,7 @@ class MeshAudits:
             lie = lies_in_audits(worker.attackers)
             if lie is not None:
                 work = lie(work, case.step, StageContext(inputs=case.inputs, grad_output=case.grad_output))
-            if not version.includes(case.audited) or (digest is not None and version.digest != digest):
+            if not version.includes(case.audited) or (round_step is not None and version.round_step != round_step):
                 continue
             return Recomputation(worker.id, work, version, drift), candidates[index + 1 :]
         return None, []
