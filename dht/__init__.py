@@ -16,6 +16,7 @@ from dht.identity import (
 from dht.keys import CONFIG_KEY, MAX_STAGES, SwarmKeys
 from dht.records import (
     Announcement,
+    AuditEvidence,
     BootstrapAnnouncement,
     StageAnnouncement,
     StrikeRecord,
@@ -56,6 +57,7 @@ __all__ = [
     "peer_id_from_entry",
     "Announcement",
     "Announcer",
+    "AuditEvidence",
     "BootstrapAnnouncement",
     "DHTUnavailable",
     "Identity",

@@ -51,7 +51,7 @@ MAX_METRICS = 64
 # and readers of this one accept older records without it.
 # 2: role certificates in trainer and verifier records and strike records; finite numbers; a node's ``name``, a
 #    stage's ``network`` throughput and ``checkpoint_problem``, a trainer's ``val_loss``, a strike record's
-#    ``thresholds``; the ``swarm_config`` record.
+#    ``thresholds`` and audits (passed, failed, the evidence of a failed one); the ``swarm_config`` record.
 SCHEMA = 2
 MAX_UNKNOWN_FIELDS = 16
 MAX_FIELD_NAME = 64
@@ -164,12 +164,47 @@ class BootstrapAnnouncement(Announcement):
         return keys.bootstraps
 
 
+Digest = constr(strict=True, regex=r"^[0-9a-f]{64}$")  # SHA-256, hex
+DigestName = Literal["input", "output", "grad_output", "grad_input"]
+MicrobatchId = constr(strict=True, min_length=1, max_length=128, regex=r"^[A-Za-z0-9_.:-]+$")
+
+
+class AuditEvidence(pydantic.BaseModel):
+    """What a failed recomputation audit found (schema 2): the microbatch and its global step, the digests of the
+    stage's four tensors as the verifiers relayed them, the auditor replicas that recomputed it (the first, then the
+    one that confirmed), their relative errors, and the digest of the reference parameters they used."""
+
+    microbatch: MicrobatchId
+    step: Count
+    stage: StageIndex
+    finding: Literal["mismatch", "skipped", "frozen"]
+    direction: Direction  # the tensor that failed: the output (activation) or the input gradient
+    error: confloat(strict=True, ge=0)  # the first auditor's relative error of the stage's contribution
+    confirmed_error: Optional[confloat(strict=True, ge=0)]  # the confirming auditor's
+    auditors: conlist(PeerIdStr, min_items=1, max_items=2)
+    digests: dict[DigestName, Digest]
+    parameters: constr(strict=True, regex=r"^[0-9a-f]{16}$")
+
+    class Config:
+        extra = pydantic.Extra.forbid
+        allow_mutation = False
+
+
 class StrikeRecord(SwarmRecord):
-    """One verifier's standing verdict on one peer; a newer record from the same verifier replaces it."""
+    """One verifier's standing verdict on one peer; a newer record from the same verifier replaces it.
+
+    Schema 2 adds the peer's recomputation audits as this verifier ran them (``audits_passed``,
+    ``audits_failed``) and the evidence of the last failed one (``audit``)."""
 
     author_field: ClassVar[str] = "verifier"
     role: ClassVar[Optional[str]] = "verifier"
-    since: ClassVar[dict[str, int]] = {"thresholds": 2, "certificate": 2}
+    since: ClassVar[dict[str, int]] = {
+        "thresholds": 2,
+        "certificate": 2,
+        "audits_passed": 2,
+        "audits_failed": 2,
+        "audit": 2,
+    }
 
     kind: Literal["strike"] = "strike"
     verifier: PeerIdStr
@@ -184,6 +219,9 @@ class StrikeRecord(SwarmRecord):
     certificate: Optional[RoleCertificate] = None  # the verifier's, as in its announcement
     # each metric's threshold when the record was written, beside its score in ``metrics``
     thresholds: dict[constr(strict=True, max_length=64), MetricValue] = pydantic.Field(default_factory=dict)
+    audits_passed: Count = 0
+    audits_failed: Count = 0
+    audit: Optional[AuditEvidence] = None
 
     @pydantic.validator("metrics", "thresholds")
     def _few_metrics(cls, metrics: dict) -> dict:
@@ -193,11 +231,10 @@ class StrikeRecord(SwarmRecord):
 
     @pydantic.validator("flags")
     def _flags_within_checks(cls, flags: int, values: dict) -> int:
-        # every flag is a check; strikes come from flags (forgiveness only ever removes them)
+        # every flag is a check. Strikes are not bounded by flags: a blatant flag weighs two, and a convicting audit
+        # sets them to the limit at once (sentinel_node.verification.strikes)
         if "checks" in values and flags > values["checks"]:
             raise ValueError(f"{flags} flags in {values['checks']} checks")
-        if "strikes" in values and values["strikes"] > flags:
-            raise ValueError(f"{values['strikes']} strikes from {flags} flags")
         return flags
 
     def key(self, keys: SwarmKeys) -> str:

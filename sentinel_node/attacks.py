@@ -4,6 +4,11 @@ An attack is a function ``attack(tensor, step, state) -> tensor`` of the honest 
 attacker's own state (a dict kept between calls). It returns the tensor it sends; returning the input object
 itself means "not attacked this time". Each works on activations and on gradients. :class:`Attacker` adds a start
 step and a probability. Red teams bring their own with ``--attack-file PATH.py:NAME``.
+
+A *stage-level* attack (:class:`StageAttack`, :data:`STAGE_ATTACKS`) changes what the replica does with its own
+computation, beyond a function of the tensor: it sees what the tensor was computed from (:class:`StageContext`)
+and may refuse its optimizer step. ``stale``, ``skip`` and ``replay`` send tensors whose statistics are honest;
+only recomputation audits see them. ``--attack-file PATH.py:NAME`` may name a subclass of :class:`StageAttack`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from functools import partial
 from pathlib import Path
 
 import torch
+
+from sentinel_node.verification.audit import Work
 
 AttackFn = Callable[[torch.Tensor, int, dict], torch.Tensor]
 DIRECTIONS = ("activation", "gradient")
@@ -274,6 +281,135 @@ CATALOGUE: dict[str, AttackFn] = {**_BASIC, "mixed": mixed, "adaptive": adaptive
 BASIC_ATTACKS: tuple[str, ...] = tuple(_BASIC)
 
 
+# --- stage-level attacks -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What a replica computed a tensor from: its module, the microbatch's inputs (token ids on stage 0, hidden
+    states elsewhere), the targets (on the last stage) and, for an input gradient, the output gradient it was given.
+    Fields a caller does not know are None."""
+
+    module: torch.nn.Module | None = None
+    inputs: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
+    grad_output: torch.Tensor | None = None
+
+
+class StageAttack:
+    """A stage-level attack: subclass it and override what the replica changes. One instance per red-team replica
+    (``seed`` is its own); ``activation`` and ``gradient`` return what to send (the tensor itself: not attacked),
+    ``applies_step`` whether to apply the optimizer step of a global step. ``observes_honest``: call the hooks on
+    honest tensors too (before the attack starts, and when it holds back), to learn from them."""
+
+    observes_honest = False
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+
+    def activation(self, output: torch.Tensor, step: int, context: StageContext) -> torch.Tensor:
+        return output
+
+    def gradient(self, grad_input: torch.Tensor, step: int, context: StageContext) -> torch.Tensor:
+        return grad_input
+
+    def applies_step(self, step: int) -> bool:
+        return True
+
+    def recomputation(self, work: Work, step: int, context: StageContext) -> Work:
+        """What it answers when a verifier asks it, as an auditor, to recompute a microbatch of another replica."""
+        return work
+
+
+class Stale(StageAttack):
+    """Never applies its optimizer step: a free rider serving with the parameters averaging last left it, saving the
+    step (and its optimizer state) while the others train."""
+
+    def applies_step(self, step: int) -> bool:
+        return False
+
+
+class Skip(StageAttack):
+    """Sends what passes through its layers without them: its input as its output and the output gradient as its
+    input gradient (stage 0 its token embeddings; the last stage the gradient of its head and norm alone)."""
+
+    def activation(self, output: torch.Tensor, step: int, context: StageContext) -> torch.Tensor:
+        if context.inputs is None:
+            return output
+        if context.inputs.is_floating_point():
+            return context.inputs.detach().to(output.dtype).clone()
+        embed = getattr(context.module, "embed", None)
+        if embed is None:
+            return output
+        with torch.no_grad():
+            return embed(context.inputs.to(output.device)).detach().to(output.dtype)
+
+    def gradient(self, grad_input: torch.Tensor, step: int, context: StageContext) -> torch.Tensor:
+        if context.grad_output is not None:
+            return context.grad_output.detach().to(grad_input.dtype).clone()
+        module = context.module
+        if context.inputs is None or context.targets is None or getattr(module, "head", None) is None:
+            return grad_input
+        with torch.enable_grad():
+            hidden = context.inputs.detach().float().requires_grad_(True)
+            loss = module.loss(module.head(module.norm(hidden)), context.targets)
+            (grad,) = torch.autograd.grad(loss, hidden)
+        return grad.detach().to(grad_input.dtype)
+
+
+class Replay(StageAttack):
+    """Answers with a valid tensor of another microbatch: in each direction, the one it computed just before."""
+
+    observes_honest = True
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
+        self._previous: dict[str, torch.Tensor] = {}
+
+    def _swap(self, direction: str, tensor: torch.Tensor) -> torch.Tensor:
+        previous = self._previous.get(direction)
+        self._previous[direction] = tensor.detach().clone()
+        return previous if previous is not None and previous.shape == tensor.shape else tensor
+
+    def activation(self, output: torch.Tensor, step: int, context: StageContext) -> torch.Tensor:
+        return self._swap("activation", output)
+
+    def gradient(self, grad_input: torch.Tensor, step: int, context: StageContext) -> torch.Tensor:
+        return self._swap("gradient", grad_input)
+
+
+class LyingAuditor(StageAttack):
+    """Trains and answers honestly, and lies whenever it audits another replica: it says the stage's layers add the
+    opposite of what they add (what would fail an honest claim), trying to get honest replicas banned."""
+
+    def recomputation(self, work: Work, step: int, context: StageContext) -> Work:
+        inputs, grad_output = context.inputs, context.grad_output
+        output = work.output
+        if output is not None:
+            base = work.embedding if work.embedding is not None else inputs
+            output = 2 * base - output if base is not None and base.is_floating_point() else -output
+        grad_input = work.grad_input
+        if grad_input is not None:
+            grad_input = 2 * grad_output - grad_input if grad_output is not None else -grad_input
+        return Work(output=output, grad_input=grad_input, embedding=work.embedding)
+
+
+STAGE_ATTACKS: dict[str, type[StageAttack]] = {"stale": Stale, "skip": Skip, "replay": Replay, "lie": LyingAuditor}
+ATTACK_NAMES: tuple[str, ...] = (*CATALOGUE, *STAGE_ATTACKS)
+
+
+class StageHook:
+    """One direction of a stage attack, in the shape of an attack function (``context`` added)."""
+
+    def __init__(self, attack: StageAttack, direction: str) -> None:
+        self.attack, self.direction = attack, direction
+        self.observes_honest = attack.observes_honest
+        self.__name__ = type(attack).__name__
+
+    def __call__(self, tensor: torch.Tensor, step: int, state: dict, context: StageContext | None = None):
+        return getattr(self.attack, self.direction)(tensor, step, context or StageContext())
+
+
 def make_attack(name: str, **params) -> AttackFn:
     """The catalogue's attack `name` with some parameters fixed, e.g. make_attack("scale", sigma=2.0)."""
     if name not in CATALOGUE:
@@ -292,8 +428,9 @@ def make_attack(name: str, **params) -> AttackFn:
     return bound
 
 
-def load_attack_file(spec: str) -> tuple[str, AttackFn]:
-    """Loads `PATH.py:NAME`, a function NAME(tensor, step, state) -> tensor; returns (NAME, function)."""
+def load_attack_file(spec: str) -> tuple[str, AttackFn | type[StageAttack]]:
+    """Loads `PATH.py:NAME`, a function NAME(tensor, step, state) -> tensor or a :class:`StageAttack` subclass;
+    returns (NAME, the function or class)."""
     path_text, sep, name = spec.rpartition(":")
     if not sep or not path_text or not name:
         raise AttackError(f"--attack-file {spec!r} must look like PATH.py:NAME")
@@ -311,6 +448,17 @@ def load_attack_file(spec: str) -> tuple[str, AttackFn]:
     fn = getattr(module, name, None)
     if fn is None:
         raise AttackError(f"--attack-file: {path} defines no {name!r}")
+    if isinstance(fn, type):
+        if not issubclass(fn, StageAttack):
+            raise AttackError(
+                f"--attack-file: {path}:{name} is a class but not a sentinel_node.attacks.StageAttack; subclass it, "
+                "or name a function (tensor, step, state) -> tensor"
+            )
+        try:
+            fn(0)
+        except Exception as e:
+            raise AttackError(f"--attack-file: {path}:{name}(seed) failed: {type(e).__name__}: {e}") from None
+        return name, fn
     if not callable(fn):
         raise AttackError(f"--attack-file: {path}:{name} is not a function")
     try:
@@ -338,17 +486,31 @@ class Attacker:
         self.state.setdefault("seed", self.seed)
         self._rng = random.Random(self.seed)
 
-    def __call__(self, tensor: torch.Tensor, step: int) -> tuple[torch.Tensor, bool]:
-        """The tensor to send and whether it differs from the honest one."""
+    def __call__(
+        self, tensor: torch.Tensor, step: int, context: StageContext | None = None
+    ) -> tuple[torch.Tensor, bool]:
+        """The tensor to send and whether it differs from the honest one; ``context`` (what the tensor was computed
+        from) reaches stage-level attacks only."""
         attacking = step >= self.start and self._rng.random() < self.probability
         if not attacking and not getattr(self.fn, "observes_honest", False):
             return tensor, False
-        out = self.fn(tensor, step, self.state)
+        if isinstance(self.fn, StageHook):
+            out = self.fn(tensor, step, self.state, context)
+        else:
+            out = self.fn(tensor, step, self.state)
         if not attacking:
             return tensor, False
         if not isinstance(out, torch.Tensor):
             raise AttackError(f"attack {getattr(self.fn, '__name__', self.fn)!r} returned {type(out).__name__}")
         return out, out is not tensor
+
+    def applies_step(self, step: int) -> bool:
+        """Whether the replica applies global step ``step``'s optimizer step (a stage attack may refuse it)."""
+        if not isinstance(self.fn, StageHook) or step < self.start:
+            return True
+        if self.probability < 1 and random.Random(f"{self.seed}:step:{step}").random() >= self.probability:
+            return True
+        return self.fn.attack.applies_step(step)
 
 
 def attack_maker(
@@ -361,13 +523,27 @@ def attack_maker(
         raise AttackError("give exactly one of --attack NAME and --attack-file PATH.py:NAME")
     if file is not None:
         loaded_name, fn = load_attack_file(file)
+        if isinstance(fn, type):
+            return loaded_name, _stage_maker(fn)
         return loaded_name, lambda direction: fn
+    if name in STAGE_ATTACKS:
+        return name, _stage_maker(STAGE_ATTACKS[name])
     make_attack(name)  # an unknown name fails here, with the catalogue listed
     if name == "adaptive":
         if settings_for is None:
             raise AttackError("the adaptive attack needs the swarm's verification settings")
         return name, lambda direction: make_attack(name, settings=settings_for(direction))
     return name, lambda direction: make_attack(name)
+
+
+def _stage_maker(cls: type[StageAttack]) -> Callable[[str], AttackFn]:
+    """A maker for a stage attack: :func:`arm` builds one instance per replica and hooks both directions to it."""
+
+    def make(direction: str, attack: StageAttack | None = None) -> AttackFn:
+        return StageHook(attack if attack is not None else cls(), direction)
+
+    make.stage_attack = cls
+    return make
 
 
 def sends(direction: str, stage: int, n_stages: int) -> bool:
@@ -394,10 +570,32 @@ def arm(
     if not 0 < probability <= 1:
         raise AttackError(f"--attack-probability must be in (0, 1], got {probability}")
     directions = DIRECTIONS if target == "both" else (target,)
+    stage_attack = getattr(make, "stage_attack", None)
+    shared = stage_attack(zlib.crc32(f"{seed}:stage".encode())) if stage_attack is not None else None
     return {
         direction: Attacker(
-            make(direction), start=start, probability=probability, seed=zlib.crc32(f"{seed}:{direction}".encode())
+            make(direction) if shared is None else make(direction, shared),
+            start=start,
+            probability=probability,
+            seed=zlib.crc32(f"{seed}:{direction}".encode()),
         )
         for direction in directions
         if sends(direction, stage, n_stages)
     }
+
+
+def lies_in_audits(attackers: dict[str, Attacker]) -> Callable[[Work, int, StageContext], Work] | None:
+    """What a red-team replica answers to recompute requests, given the honest recomputation (None: the truth)."""
+    hooks = [a.fn for a in attackers.values() if isinstance(a.fn, StageHook)]
+    if not hooks:
+        return None
+    attack, start = hooks[0].attack, min(a.start for a in attackers.values())
+    return lambda work, step, context: attack.recomputation(work, step, context) if step >= start else work
+
+
+def refuses_steps(attackers: dict[str, Attacker]) -> Callable[[int], bool] | None:
+    """For :attr:`StageWorker.applies_step`: whether a red-team replica applies each optimizer step (None for a
+    replica whose attackers never refuse one)."""
+    if not any(isinstance(a.fn, StageHook) for a in attackers.values()):
+        return None
+    return lambda step: all(a.applies_step(step) for a in attackers.values())

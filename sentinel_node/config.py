@@ -117,6 +117,20 @@ DEFAULT_FENCE_SPACES = {
 }
 
 
+AUDIT_FIELDS = frozenset(
+    {
+        "audit_rate",
+        "audit_tolerance",
+        "audit_drift_factor",
+        "audit_exact",
+        "audit_timeout",
+        "audit_queue",
+        "audit_cache_mib",
+        "audit_refusal_limit",
+    }
+)
+
+
 class VerificationConfig(_Strict):
     """SENTINEL's knobs (docs/architecture.md section 3); defaults are the paper's where it gives one."""
 
@@ -169,6 +183,21 @@ class VerificationConfig(_Strict):
     gradient_replacement: Literal["ema", "zero", "drop"] = Field(
         "drop", description="what replaces a flagged gradient (noise fed to Adam moves weights as far as a real one)"
     )
+    # recomputation audits (sentinel_node/verification/audit.py; docs/decisions.md, "Recomputation audits")
+    audit_rate: float = Field(
+        0.02, ge=0, le=1, description="share of settled microbatches whose work a verifier has recomputed, per stage"
+    )
+    audit_tolerance: float = Field(
+        0.5, gt=0, description="relative error a claim may always show (of a middle stage's contribution)"
+    )
+    audit_drift_factor: float = Field(
+        4.0, gt=0, description="a claim may drift this many times the auditor's own drift per step, per step"
+    )
+    audit_exact: float = Field(1e-5, gt=0, description="relative error at or below which two results are the same")
+    audit_timeout: float = Field(30.0, gt=0, description="seconds an audit may take before it is dropped")
+    audit_queue: int = Field(8, ge=1, description="audits a verifier holds at once; further draws are dropped")
+    audit_cache_mib: float = Field(64.0, gt=0, description="MiB of relayed tensors a verifier keeps for audits")
+    audit_refusal_limit: int = Field(3, ge=1, description="audit requests an auditor refuses in a row for a strike")
 
     def monitor_settings(self, direction: Literal["activation", "gradient"], seed: int):
         """Plain settings for one boundary monitor (the verification core does not import pydantic)."""
@@ -176,12 +205,19 @@ class VerificationConfig(_Strict):
 
         values = self.model_dump(
             exclude={"beta_act", "beta_grad", "floors", "fence_spaces", "replacement", "gradient_replacement"}
+            | AUDIT_FIELDS
         )
         values["fence_spaces"] = {**DEFAULT_FENCE_SPACES, **self.fence_spaces}
         values["replacement"] = self.replacement if direction == "activation" else self.gradient_replacement
         values["floors"] = {**DEFAULT_FLOORS, **self.floors}
         beta = self.beta_act if direction == "activation" else self.beta_grad
         return MonitorSettings(beta=beta, seed=seed, **values)
+
+    def audit_tolerances(self):
+        """The audit tolerances as the verification core takes them."""
+        from sentinel_node.verification.audit import AuditTolerance
+
+        return AuditTolerance(exact=self.audit_exact, floor=self.audit_tolerance, factor=self.audit_drift_factor)
 
 
 class SwarmConfig(_Strict):

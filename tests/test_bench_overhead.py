@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from sentinel_node.bench.overhead import MODES, OverheadSettings, _cpu_accounting, _report, _tokens_per_s, table
+from sentinel_node.bench.overhead import (
+    MODES,
+    OverheadSettings,
+    _audit_report,
+    _cpu_accounting,
+    _report,
+    _tokens_per_s,
+    table,
+)
 from sentinel_node.config import load_config
 from sentinel_node.roles.route_modes import RoutingMode, RoutingSchedule
 from sentinel_node.roles.status import StageStatus, VerifierStatus
@@ -56,22 +64,39 @@ def test_cpu_accounting_prices_checks_against_compute():
 
 def test_report_and_table():
     config = load_config("configs/demo.yaml")
-    steps = {"verified": [step(900, 1.0)], "relay": [step(1000, 1.0)], "duplicate": [step(450, 2.0)]}
+    steps = {
+        "verified": [step(900, 1.0)],
+        "audited": [step(882, 1.0)],
+        "relay": [step(1000, 1.0)],
+        "duplicate": [step(450, 2.0)],
+    }
     stages = {"s0": stage_status(served=4, compute_cpu_s=0.4, forward_cpu_ms=20.0)}
     checking = verifier_status(cpu_ms_per_check=4.0, checks={"activation": 8, "gradient": 8})
     report = _report(config, OverheadSettings(), steps, 0.01, checking, stages, wall_s=100.0)
     assert report["ratios"] == {"verified_over_relay": pytest.approx(0.9), "verified_over_duplicate": 2.0}
     assert report["meets_targets"] and report["check_over_forward"] == pytest.approx(0.2)
+    stages["s0"] = stage_status(served=4, compute_cpu_s=0.4, recomputations={"served": 2}, recompute_cpu_s=0.2)
+    report["audits"] = _audit_report(config, report, verifier_status(audits={"passed": 2}), stages)
+    audits = report["audits"]
+    assert audits["audited_over_verified"] == pytest.approx(0.98) and audits["target"] == pytest.approx(0.97)
+    assert audits["meets_target"] and audits["by_cpu"]["recompute_ms_per_audit"] == pytest.approx(100.0)
+    # 0.02 audits per stage visit, 3 stages: 6 ms per microbatch against 300 ms of compute and 16 ms of checks
+    assert audits["by_cpu"]["audited_over_verified"] == pytest.approx(316 / 322)
     text = table(report)
     assert "verified / relay        0.90" in text and "verified / duplicate    2.00" in text
-    assert "targets met" in text and "by CPU time" in text
+    assert "targets met" in text and "by CPU time" in text and "audited / verified      0.98" in text
 
 
 def test_trainer_cycles_the_bench_modes_step_by_step():
-    modes = (RoutingMode(("checking",)), RoutingMode(("relay",)), RoutingMode(("relay",), copies=2))
+    modes = (
+        RoutingMode(("checking",)),
+        RoutingMode(("auditing",)),
+        RoutingMode(("relay",)),
+        RoutingMode(("relay",), copies=2),
+    )
     options = TrainerOptions(routing=RoutingSchedule(modes))
-    assert [options.routing.at(s) for s in range(4)] == [*modes, modes[0]]
-    assert [options.routing.index(s) for s in range(4)] == [0, 1, 2, 0]
+    assert [options.routing.at(s) for s in range(5)] == [*modes, modes[0]]
+    assert [options.routing.index(s) for s in range(5)] == [0, 1, 2, 3, 0]
     assert len(MODES) == len(modes)
     assert TrainerOptions().routing.at(7) == RoutingMode()  # the production default: any verifier, one copy
 

@@ -44,6 +44,7 @@ from dht import (
     ephemeral_identity,
     issue_certificate,
     load_identity_file,
+    parse_record,
     swarm_validators,
 )
 
@@ -355,7 +356,6 @@ def test_record_that_breaks_the_schema_never_lands(swarm, attacker, breakage):
         {"strikes": 2**63 - 1, "flags": 2**63 - 1, "checks": 2**63 - 1},
         {"boundary": 1023},  # a boundary the 4-stage swarm does not have
         {"boundary": N_STAGES - 1},  # one past the last boundary
-        {"strikes": 5, "flags": 2},  # more strikes than flags
         {"flags": 20, "checks": 10},  # more flags than checks
     ],
 )
@@ -595,3 +595,46 @@ def test_every_node_caps_a_keys_subkeys(tmp_path):
 async def _held_subkeys(_dht, node, key: str) -> int:
     found = node.protocol.storage.get(DHTID.generate(source=key))
     return 0 if found is None else len(found.value)
+
+
+EVIDENCE = dict(
+    microbatch="s12:m3:a0",
+    step=12,
+    stage=1,
+    finding="mismatch",
+    direction="gradient",
+    error=2.0,
+    confirmed_error=2.0,
+    auditors=[ephemeral_identity().peer_id, ephemeral_identity().peer_id],
+    digests={"input": "a" * 64, "output": "b" * 64, "grad_output": "c" * 64, "grad_input": "d" * 64},
+    parameters="0123456789abcdef",
+)
+
+
+def test_a_strike_record_carries_the_evidence_of_a_failed_audit_within_bounds():
+    verifier, accused = ephemeral_identity(), ephemeral_identity().peer_id
+    record = strike(verifier, accused, audits_passed=4, audits_failed=1, audit=EVIDENCE, banned=True, strikes=3)
+    assert parse_record(record.dict()) == record and record.audit.auditors == EVIDENCE["auditors"]
+    for bad in (
+        {"auditors": EVIDENCE["auditors"] * 2},  # at most two: the accuser and the one that confirmed it
+        {"auditors": []},
+        {"digests": {**EVIDENCE["digests"], "weights": "e" * 64}},  # only the stage's four tensors
+        {"digests": {"input": "not-a-digest"}},
+        {"microbatch": "x" * 129},
+        {"error": -1.0},
+        {"error": 2},  # strict: an int is not a float
+        {"finding": "suspicious"},
+    ):
+        with pytest.raises(ValueError):
+            parse_record({**record.dict(), "audit": {**EVIDENCE, **bad}})
+
+
+def test_a_strike_record_of_the_previous_schema_is_read_without_the_audit_fields():
+    from dht.records import SCHEMA
+
+    verifier, accused = ephemeral_identity(), ephemeral_identity().peer_id
+    old = {k: v for k, v in strike(verifier, accused).dict().items() if not k.startswith("audit")}
+    read = parse_record({**old, "schema": 1})
+    assert read.audits_passed == 0 and read.audit is None and SCHEMA == 2
+    with pytest.raises(ValueError):  # a writer of today's schema must write them
+        parse_record({**old, "schema": SCHEMA})

@@ -16,7 +16,14 @@ from pathlib import Path
 
 from hivemind.utils.logging import get_logger
 
-from sentinel_node.attacks import BASIC_ATTACKS, CATALOGUE, load_attack_file, make_attack
+from sentinel_node.attacks import (
+    ATTACK_NAMES,
+    BASIC_ATTACKS,
+    STAGE_ATTACKS,
+    AttackError,
+    load_attack_file,
+    make_attack,
+)
 from sentinel_node.bench.runner import RunSpec, run_all
 from sentinel_node.config import Config
 from sentinel_node.model import load_corpus
@@ -27,15 +34,19 @@ logger = get_logger(__name__)
 
 TARGETS = ("activation", "gradient")
 
-# quick: the catalogue finishes within 5 minutes on 2 cores; full: the DESIGN measurement's model, a larger mesh
+# quick: the catalogue finishes within 5 minutes on 2 cores; full: the DESIGN measurement's model, a larger mesh.
+# Audit rates: high enough that an attacker is audited several times in the attack window (docs/decisions.md,
+# "Recomputation audits": expected steps to a ban R / (M * rate * p), R replicas per stage, M microbatches per step)
 PROFILES: dict[str, dict[str, dict]] = {
     "quick": {
         "model": {"hidden_size": 64, "intermediate_size": 172},
+        "verification": {"audit_rate": 0.2},
         "sim": {"steps": 90, "attack_start": 45, "replicas": 4, "eval_every": 15, "eval_batches": 3},
     },
     "full": {
         "model": {"hidden_size": 128, "intermediate_size": 344},
         "pipeline": {"n_stages": 4},
+        "verification": {"audit_rate": 0.05},
         "sim": {"steps": 400, "attack_start": 150, "replicas": 8, "eval_every": 20},
     },
 }
@@ -52,16 +63,27 @@ class Case:
     attack_file: str | None = None  # PATH.py:NAME for a red team's own attack
 
 
-def cases(attacks: list[str] | None, attack_file: str | None) -> list[Case]:
-    """The runs to make: every catalogue attack on each target, or the named ones, or the attack file's."""
+def cases(attacks: list[str] | None, attack_file: str | None, targets: list[str] | None = None) -> list[Case]:
+    """The runs to make: every catalogue attack on each target (or on ``targets`` only), or the named ones, or the
+    attack file's."""
+    selected = [case for case in _cases(attacks, attack_file) if not targets or case.target in (*targets, "both")]
+    if not selected:
+        raise AttackError(f"no run on targets {targets}: stage-level attacks run on both directions at once")
+    return selected
+
+
+def _cases(attacks: list[str] | None, attack_file: str | None) -> list[Case]:
     if attack_file is not None:
-        name, _ = load_attack_file(attack_file)  # fail now, not in a worker
-        selected = [Case(name, t, attack_file) for t in TARGETS]
+        name, loaded = load_attack_file(attack_file)  # fail now, not in a worker
+        targets = ("both",) if isinstance(loaded, type) else TARGETS  # a StageAttack class: one run
+        selected = [Case(name, t, attack_file) for t in targets]
         return selected + [Case(a, t) for a in attacks or [] for t in TARGETS]
-    names = attacks or [*BASIC_ATTACKS, "mixed", "adaptive"]
+    names = attacks or [*BASIC_ATTACKS, "mixed", "adaptive", *STAGE_ATTACKS]
     for name in names:
-        make_attack(name)  # unknown names fail here, with the catalogue listed
-    return [Case(name, t) for name in names for t in TARGETS]
+        if name not in STAGE_ATTACKS:
+            make_attack(name)  # unknown names fail here, with the catalogue listed
+    # a stage-level attack changes the replica's whole computation: one run, on what it sends in both directions
+    return [Case(name, t) for name in names for t in (("both",) if name in STAGE_ATTACKS else TARGETS)]
 
 
 def _plan(case: Case, config: Config) -> AttackPlan:
@@ -117,6 +139,7 @@ def summarize(case: Case, defended: SimResult, undefended: SimResult, clean: Sim
             "attacked": _rounded(defended.stats.metric_rates(case.target, True)),
             "honest": _rounded(defended.stats.metric_rates(case.target, False)),
         },
+        "audits": _audits(defended),
         "val_loss": {
             "clean": round(clean.final_val_loss, 4),
             "undefended": round(undefended.final_val_loss, 4),
@@ -132,6 +155,12 @@ def summarize(case: Case, defended: SimResult, undefended: SimResult, clean: Sim
     }
 
 
+def _audits(result: SimResult) -> dict | None:
+    """The defended run's audits: counts by outcome for honest and malicious replicas, the honest error
+    distribution, and the evidence of each conviction."""
+    return result.audits
+
+
 def _rounded(rates: dict[str, float]) -> dict[str, float]:
     return {k: round(v, 4) for k, v in rates.items()}
 
@@ -143,6 +172,7 @@ def clean_summary(clean: SimResult) -> dict:
         "honest_max_strikes": clean.honest_max_strikes,
         "flags": clean.stats.flags,
         "checks": clean.stats.checked(),
+        "audits": _audits(clean),
         "curve": clean.val_curve,
     }
 
@@ -154,6 +184,8 @@ def mesh_summary(config: Config) -> dict:
         "steps": config.sim.steps,
         "attack_start": config.sim.attack_start,
         "microbatches_per_step": config.pipeline.microbatches_per_step,
+        "audit_rate": config.verification.audit_rate,
+        "average_every": config.pipeline.average_every,
     }
 
 
@@ -165,12 +197,13 @@ def run_detection(
     workers: int = 2,
     progress: Callable[[str], None] | None = None,
     bar: bool = False,
+    targets: list[str] | None = None,
 ) -> dict:
     """Runs the benchmark and returns {"profile", "config_hash", "mesh", "clean", "attacks": [...]}.
 
     `progress` gets the plan with its estimated time, then a line per finished run; `bar` shows a progress bar."""
     config = config.with_overrides(**PROFILES[profile])
-    selected = cases(attacks, attack_file)
+    selected = cases(attacks, attack_file, targets)
     corpus = load_corpus(config.data.path, config.data.val_fraction, config.data.max_bytes)
     start = config.sim.attack_start
     specs = []
@@ -208,7 +241,7 @@ def table(report: dict) -> str:
     """A readable table of a report."""
     header = (
         f"{'attack':<16} {'target':<10} {'prec':>5} {'recall':>6} {'F1':>5} {'honest':>6} {'mb→ban':>7} "
-        f"{'st→ban':>6} {'flagP':>6} {'flagR':>6} {'clean':>6} {'undef':>6} {'def':>6}"
+        f"{'st→ban':>6} {'flagP':>6} {'flagR':>6} {'clean':>6} {'undef':>6} {'def':>6} {'audits':>7} {'conv':>5}"
     )
     lines = [header, "-" * len(header)]
     for row in report["attacks"]:
@@ -218,13 +251,46 @@ def table(report: dict) -> str:
             f"{row['honest_banned']:>6d} {_fmt(row['microbatches_to_ban']):>7} {_fmt(row['steps_to_ban']):>6} "
             f"{_fmt(row['flag_precision']):>6} {_fmt(row['flag_recall']):>6} "
             f"{v['clean']:>6.3f} {v['undefended']:>6.3f} {v['defended']:>6.3f}"
+            f"{_audit_cells(row.get('audits'))}"
         )
     c = report["clean"]
     lines.append(
         f"clean run: val loss {c['val_loss']:.3f}, {c['flags']} flags in {c['checks']} checks, "
         f"{c['honest_banned']} honest banned, max honest strikes {c['honest_max_strikes']}"
     )
+    lines += audit_lines(report)
     return "\n".join(lines)
+
+
+def _audit_cells(audits: dict | None) -> str:
+    if not audits:
+        return f" {'-':>7} {'-':>5}"
+    return f" {audits['run']:>7d} {audits['malicious']['convicted']:>5d}"
+
+
+def audit_lines(report: dict) -> list[str]:
+    """Recomputation audits over every defended run and the clean one: honest audits and how many failed, and
+    the distribution of the honest relative error against the tolerance."""
+    runs = [row["audits"] for row in report["attacks"] if row.get("audits")]
+    if report["clean"].get("audits"):
+        runs.append(report["clean"]["audits"])
+    if not runs:
+        return []
+    honest = sum(a["honest_audits"] for a in runs)
+    failed = sum(a["honest_failed_first"] for a in runs)
+    convicted = sum(a["honest"]["convicted"] for a in runs)
+    lines = [
+        f"audits (rate {report['mesh']['audit_rate']}): {honest} of honest replicas, {failed} failed a first "
+        f"comparison, {convicted} convicted; {sum(a['run'] for a in runs)} in all"
+    ]
+    for direction in ("activation", "gradient"):
+        maxima = [a["honest_error"][direction]["max"] for a in runs if direction in a["honest_error"]]
+        p99 = [a["honest_error"][direction]["p99"] for a in runs if direction in a["honest_error"]]
+        if maxima:
+            lines.append(
+                f"  honest {direction} error after drifting: worst run p99 {max(p99):.3f}, max {max(maxima):.3f}"
+            )
+    return lines
 
 
 def _fmt(value) -> str:
@@ -249,4 +315,4 @@ def plot(report: dict, out: Path) -> list[Path]:
 
 
 def known_attacks() -> list[str]:
-    return list(CATALOGUE)
+    return list(ATTACK_NAMES)

@@ -1,11 +1,13 @@
 """``sentinel-node bench overhead``: what SENTINEL costs, measured on a local swarm.
 
-One swarm (a bootstrap, 3 stages x 2 replicas, and two verifiers serving every boundary: one checking, one a plain
-relay, ``BoundaryVerifier(enabled=False)``) is trained by one trainer that changes mode at every step, so the
-three modes share the stages, the machine's load (which on a shared machine moves a lot) and the point of
-training:
+One swarm (a bootstrap, 3 stages x 2 replicas, and three verifiers serving every boundary: one checking without
+audits, one checking and auditing at the swarm's ``verification.audit_rate``, one a plain relay,
+``BoundaryVerifier(enabled=False)``) is trained by one trainer that changes mode at every step, so the four modes
+share the stages, the machine's load (which on a shared machine moves a lot) and the point of training:
 
 - ``verified``: every activation and gradient checked by SENTINEL;
+- ``audited``: the same, and a share of the settled microbatches recomputed by another replica (recomputation
+  audits, run in the background);
 - ``relay``: the same hops without checks (the pipeline's own cost);
 - ``duplicate``: the baseline verification replaces, every microbatch computed by two replicas and the results
   compared (through the relay verifier).
@@ -42,15 +44,16 @@ from sentinel_node.demo import DEMO_CONFIG_PATH
 from sentinel_node.roles.status import StageStatus, VerifierStatus
 from sentinel_node.supervisor import LOOPBACK, LocalSwarm, SwarmStartError
 
-MODES = ("verified", "relay", "duplicate")
+MODES = ("verified", "audited", "relay", "duplicate")
 BENCH_MODEL = {"hidden_size": 128, "intermediate_size": 344, "n_layers": 12, "n_heads": 4, "n_kv_heads": 4}
 TARGETS = {"verified_over_relay": 0.85, "verified_over_duplicate": 1.8}
+AUDIT_MARGIN = 0.01  # audits may cost the audit rate plus this share of throughput
 NEVER = 10**9
 
 
 @dataclass(frozen=True)
 class OverheadSettings:
-    steps: int = 33  # cycled over the three modes
+    steps: int = 44  # cycled over the four modes
     microbatches_per_step: int = 12
     warmup_steps: int = 3  # left out of the figures
     replicas: int = 2
@@ -150,13 +153,20 @@ def _run_one(settings: OverheadSettings, wire_dtype: str, echo: Callable[[str], 
                 for k in range(config.pipeline.n_stages)
                 for r in range(settings.replicas)
             ]
-            nodes.append(swarm.start("checking", "verifier"))
+            nodes.append(swarm.start("checking", "verifier", "--no-audit"))
+            nodes.append(swarm.start("auditing", "verifier"))
             nodes.append(swarm.start("relay", "verifier", "--no-verify"))
             swarm.wait_ready(nodes, settings.start_timeout)
             echo(f"swarm up in {time.monotonic() - started:.0f}s; {settings.steps} steps cycling {', '.join(MODES)}")
             checking, relay = swarm.nodes["checking"].peer_id, swarm.nodes["relay"].peer_id
+            auditing = swarm.nodes["auditing"].peer_id
             schedule = RoutingSchedule(
-                (RoutingMode((checking,)), RoutingMode((relay,)), RoutingMode((relay,), copies=2))
+                (
+                    RoutingMode((checking,)),
+                    RoutingMode((auditing,)),
+                    RoutingMode((relay,)),
+                    RoutingMode((relay,), copies=2),
+                )
             )
             logs: list[StepLog] = []
 
@@ -176,16 +186,19 @@ def _run_one(settings: OverheadSettings, wire_dtype: str, echo: Callable[[str], 
                 on_step=on_step,
             )
             checking_status = swarm.nodes["checking"].status()
-            if not isinstance(checking_status, VerifierStatus):
-                raise SwarmStartError("the checking verifier wrote no status; see its log in the workdir")
+            auditing_status = swarm.nodes["auditing"].status()
+            if not isinstance(checking_status, VerifierStatus) or not isinstance(auditing_status, VerifierStatus):
+                raise SwarmStartError("a checking verifier wrote no status; see its log in the workdir")
             stages = {name: node.status() for name, node in swarm.nodes.items() if node.role == "stage"}
             stages = {name: status for name, status in stages.items() if isinstance(status, StageStatus)}
         steps = {mode: [] for mode in MODES}
         for log in logs[settings.warmup_steps :]:
             steps[MODES[log.mode]].append(asdict(log))
-        return _report(
+        report = _report(
             config, settings, steps, summary.duplicate_loss_gap, checking_status, stages, time.monotonic() - started
         )
+        report["audits"] = _audit_report(config, report, auditing_status, stages)
+        return report
 
 
 def _tokens_per_s(records: list[dict]) -> float:
@@ -262,6 +275,38 @@ def _cpu_accounting(config: Config, checking: VerifierStatus, stages: dict[str, 
     }
 
 
+def _audit_report(config: Config, report: dict, auditing: VerifierStatus, stages: dict[str, StageStatus]) -> dict:
+    """Audited against verified throughput (same run, alternate steps) and, from CPU time, what the audits the
+    auditing verifier ran cost the stages that recomputed them, per microbatch."""
+    rate = config.verification.audit_rate
+    throughput = report["tokens_per_s"]
+    ratio = throughput["audited"] / throughput["verified"] if throughput["verified"] else None
+    recomputed = sum(s.recomputations.get("served", 0) for s in stages.values())
+    recompute_cpu_s = sum(s.recompute_cpu_s for s in stages.values())
+    cpu = report.get("cpu_accounting")
+    by_cpu = None
+    if recomputed and cpu:
+        per_audit_ms = 1000 * recompute_cpu_s / recomputed
+        # audits per microbatch: one draw per stage of its route, at the audit rate
+        audit_ms = rate * config.pipeline.n_stages * per_audit_ms
+        compute_ms = cpu["stage_compute_ms_per_microbatch"] + cpu["checks_ms_per_microbatch"]
+        by_cpu = {
+            "recompute_ms_per_audit": per_audit_ms,
+            "audit_ms_per_microbatch": audit_ms,
+            "audited_over_verified": compute_ms / (compute_ms + audit_ms),
+        }
+    target = 1 - (rate + AUDIT_MARGIN)
+    return {
+        "audit_rate": rate,
+        "audited_over_verified": ratio,
+        "target": target,
+        "meets_target": ratio is not None and ratio >= target,
+        "by_cpu": by_cpu,
+        "audits": auditing.audits,
+        "recomputations": recomputed,
+    }
+
+
 def table(report: dict) -> str:
     """The report as a readable table."""
     t, r = report["tokens_per_s"], report["ratios"]
@@ -284,6 +329,19 @@ def table(report: dict) -> str:
             f"{cpu['checks_ms_per_microbatch']:.1f} ms per microbatch: verified / relay "
             f"{cpu['verified_over_relay']:.2f}, verified / duplicate {cpu['verified_over_duplicate']:.2f}"
         )
+    audits = report.get("audits")
+    if audits:
+        lines.append(
+            f"audited / verified    {ratio(audits['audited_over_verified']):>6}   (target >= {audits['target']:.2f}: "
+            f"audit rate {audits['audit_rate']} + {AUDIT_MARGIN}); {audits['recomputations']} recomputations"
+        )
+        if audits["by_cpu"]:
+            c = audits["by_cpu"]
+            lines.append(
+                f"by CPU time: {c['recompute_ms_per_audit']:.1f} ms per audit's recomputation, "
+                f"{c['audit_ms_per_microbatch']:.2f} ms per microbatch: audited / verified "
+                f"{c['audited_over_verified']:.3f}"
+            )
     if report["verifier_cpu_ms_per_check"] is not None:
         lines.append(
             f"verifier CPU per checked tensor {report['verifier_cpu_ms_per_check']:.2f} ms; producing forward "

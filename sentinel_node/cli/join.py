@@ -92,6 +92,7 @@ def _pipeline_options(command):
             help="verifier: boundaries to serve (b sits between stage b and b+1), e.g. 0,1; default: all.",
         ),
         click.option("--no-verify", is_flag=True, help="verifier: relay without checking (overhead measurements)."),
+        click.option("--no-audit", is_flag=True, help="verifier: check, but run no recomputation audits (benches)."),
         click.option(
             "--steps", type=click.IntRange(min=0), default=0, show_default=True, help="trainer: steps (0: no end)."
         ),
@@ -160,7 +161,8 @@ def _role_settings(role: str, opts: dict) -> dict:
             boundaries = tuple(int(b) for value in opts["boundaries"] for b in value.replace(",", " ").split())
         except ValueError:
             raise click.BadParameter("integers, e.g. --boundaries 0,1", param_hint="--boundaries") from None
-        settings = VerifierOptions(boundaries, not opts["no_verify"], opts["status_file"], opts["device"] or "cpu")
+        verify, audit = not opts["no_verify"], not opts["no_audit"]
+        settings = VerifierOptions(boundaries, verify, opts["status_file"], opts["device"] or "cpu", audit=audit)
         return {"settings": settings}
     if role == "trainer":
         from sentinel_node.roles.route_modes import RoutingMode, RoutingSchedule

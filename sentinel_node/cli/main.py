@@ -74,15 +74,18 @@ def demo(steps: int, attack: str, attack_start: int, config_path: str | None, wo
 
 
 def _attack_choice():
-    from sentinel_node.attacks import CATALOGUE
+    from sentinel_node.attacks import ATTACK_NAMES
 
-    return click.Choice(sorted(CATALOGUE))
+    return click.Choice(sorted(ATTACK_NAMES))
 
 
 @main.command()
 @config_option
 @click.option("--attack", type=_attack_choice(), help="Attack the malicious replicas run (default: none).")
-@click.option("--attack-file", help="A red team's own attack: PATH.py:NAME, a function (tensor, step, state).")
+@click.option(
+    "--attack-file",
+    help="A red team's own attack: PATH.py:NAME, a function (tensor, step, state) or a StageAttack subclass.",
+)
 @click.option(
     "--target", type=click.Choice(["activation", "gradient", "both"]), default="activation", show_default=True
 )
@@ -135,10 +138,19 @@ def bench() -> None:
 @click.option("--attack", "attacks", multiple=True, type=_attack_choice(), help="Only this attack (repeatable).")
 @click.option("--family", "families", multiple=True, help="sweep: only this family (repeatable).")
 @click.option("--attack-file", help="A red team's own attack, PATH.py:NAME; run on activations and on gradients.")
+@click.option(
+    "--target",
+    "targets",
+    multiple=True,
+    type=click.Choice(["activation", "gradient"]),
+    help="Only runs on this target (repeatable; stage-level attacks always run on both).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/bench", show_default=True, help="PNGs, JSON.")
 @click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="Runs in parallel.")
-def detection(config_path, quick, suite, steps, attacks, families, attack_file, as_json, out, workers) -> None:
+def detection(
+    config_path, quick, suite, steps, attacks, families, attack_file, targets, as_json, out, workers
+) -> None:
     """SENTINEL against attacks in the simulator: worker-level F1, time to ban, flags, validation loss."""
     import json
     import sys
@@ -148,8 +160,8 @@ def detection(config_path, quick, suite, steps, attacks, families, attack_file, 
     from sentinel_node.bench import detection as catalogue
     from sentinel_node.bench import honest, sweep
 
-    if suite != "catalogue" and (attacks or attack_file):
-        raise click.UsageError("--attack and --attack-file choose catalogue runs (--suite catalogue)")
+    if suite != "catalogue" and (attacks or attack_file or targets):
+        raise click.UsageError("--attack, --attack-file and --target choose catalogue runs (--suite catalogue)")
     if suite != "sweep" and families:
         raise click.UsageError("--family chooses sweep families; add --suite sweep")
     if suite != "honest" and steps:
@@ -165,7 +177,14 @@ def detection(config_path, quick, suite, steps, attacks, families, attack_file, 
             report = honest.run_honest(config, profile, steps or 1000, progress=echo)
         else:
             report = catalogue.run_detection(
-                config, profile, list(attacks) or None, attack_file, workers, progress=echo, bar=bar
+                config,
+                profile,
+                list(attacks) or None,
+                attack_file,
+                workers,
+                progress=echo,
+                bar=bar,
+                targets=list(targets) or None,
             )
     except (AttackError, FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e)) from None

@@ -376,19 +376,35 @@ def render_strikes(view: SwarmView, config: Config, wide: bool = False) -> str:
             f"{r.flags}/{r.checks}",
             "yes" if r.banned else "no",
             "yes" if policy.counts(r, view.open_voters) else "no",
+            f"{r.audits_passed}/{r.audits_failed}",
             _ago(view, r.time),
             _scores(r),
         ]
         for r in view.ledger
     ]
-    headers = ["ACCUSED", "VERIFIER", "BOUNDARY", "DIRECTION", "STRIKES", "FLAGS", "BANNED", "VOTE", "AGE"]
-    return table(
-        [*headers, "LAST METRICS (score/threshold)"], rows, empty="no strike records about announced peers"
-    ) + (
-        f"\nstrike limit {config.verification.strike_limit}; one strike forgiven per "
-        f"{config.verification.forgive_after} clean checks"
-        if rows
-        else ""
+    headers = ["ACCUSED", "VERIFIER", "BOUNDARY", "DIRECTION", "STRIKES", "FLAGS", "BANNED", "VOTE"]
+    headers += ["AUDITS OK/FAILED", "AGE", "LAST METRICS (score/threshold)"]
+    text = table(headers, rows, empty="no strike records about announced peers")
+    if rows:
+        text += (
+            f"\nstrike limit {config.verification.strike_limit}; one strike forgiven per "
+            f"{config.verification.forgive_after} clean checks"
+        )
+    evidence = [audit_evidence(r) for r in view.ledger if r.audit is not None]
+    if evidence:
+        text += "\n\nFAILED AUDITS (signed by the verifier that ran them)\n" + "\n".join(evidence)
+    return text
+
+
+def audit_evidence(record: StrikeRecord) -> str:
+    """One failed recomputation audit, as the accused peer's strike record carries it."""
+    a = record.audit
+    confirmed = "" if a.confirmed_error is None else f", confirmed {a.confirmed_error:.3g}"
+    digests = " ".join(f"{name}={value[:12]}" for name, value in sorted(a.digests.items()))
+    return (
+        f"{record.accused} stage {a.stage} microbatch {a.microbatch} (step {a.step}): {a.finding} {a.direction}, "
+        f"error {a.error:.3g}{confirmed}; auditors {', '.join(a.auditors)}; verifier {record.verifier}; "
+        f"parameters {a.parameters}; {digests}"
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Sequence
 
 import torch
 from hivemind.utils.logging import get_logger
@@ -20,6 +21,8 @@ from sentinel_node.pipeline.device import (
     resolve_device,
     will_use_8bit,
 )
+from sentinel_node.pipeline.recompute import ReferenceParameters, ReferenceVersion, recompute
+from sentinel_node.verification.audit import Drift, Work, errors_against
 
 logger = get_logger(__name__)
 
@@ -73,6 +76,11 @@ class StageWorker:
         self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.accumulated = 0
         self.steps = 0
+        # recomputation audits: the parameters every replica of the stage shares (the initialisation, then each
+        # averaging round's result), and a red-team replica's refusal to apply its optimizer step
+        self.reference = ReferenceParameters(self.module)
+        self.set_reference(round_step=-1, applies_from=0, members=None)
+        self.applies_step: Callable[[int], bool] | None = None
 
     @property
     def is_first(self) -> bool:
@@ -157,6 +165,10 @@ class StageWorker:
         """Applies the mean of the accumulated gradients; False when this replica served nothing since the last."""
         if self.accumulated == 0:
             return False
+        if self.applies_step is not None and not self.applies_step(global_step):
+            self.optimizer.zero_grad(set_to_none=True)  # a frozen red-team replica: it computed, it never learns
+            self.accumulated = 0
+            return False
         for param in self.module.parameters():
             if param.grad is not None:
                 param.grad /= self.accumulated
@@ -168,6 +180,54 @@ class StageWorker:
         self.accumulated = 0
         self.steps += 1
         return True
+
+    # --- recomputation audits
+
+    def trainable(self) -> list[torch.Tensor]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def set_reference(
+        self,
+        round_step: int,
+        applies_from: int,
+        members: Sequence[str] | None,
+        params: Sequence[torch.Tensor] = (),
+        steps_at: int | None = None,
+    ) -> ReferenceVersion:
+        """Keeps ``params`` (default: the module's current parameters) as the reference of the averaging round that
+        took its snapshot after step ``round_step``; this replica computes step ``applies_from`` on with it.
+        ``steps_at``: its own step count at the snapshot (default: now)."""
+        steps_at = self.steps if steps_at is None else steps_at
+        return self.reference.set(list(params) or self.trainable(), round_step, applies_from, members, steps_at)
+
+    def recompute(
+        self,
+        step: int,
+        inputs: torch.Tensor,
+        grad_output: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        max_age: int | None = None,
+    ) -> tuple[Work, ReferenceVersion, Drift]:
+        """The stage's work on a microbatch of global step ``step``, recomputed with the reference parameters this
+        replica held for that step (under the same autocast as training), and how far its own parameters have
+        carried it from there on the same microbatch (its :class:`Drift`); its parameters, their gradients and its
+        pending microbatches are untouched. NoReference when it holds none younger than ``max_age`` steps
+        (default: two averaging periods, as a round's result may be merged a step or more late)."""
+        age = 2 * self.pipeline.average_every if max_age is None else max_age
+        version, params, steps_at = self.reference.for_step(step, age)
+        autocast = self._autocast
+        work = recompute(self.module, params, inputs, grad_output, targets, autocast=autocast())
+        steps = self.steps - steps_at
+        if steps <= 0:
+            return work, version, Drift()
+        own = {name: p.detach() for name, p in self.module.named_parameters() if p.requires_grad}
+        current = recompute(self.module, own, inputs, grad_output, targets, autocast=autocast())
+        if self.is_first:
+            errors = errors_against(current, work, Work(output=work.embedding), residual=False)
+        else:
+            passthrough = Work(output=None if self.is_last else inputs, grad_input=grad_output)
+            errors = errors_against(current, work, passthrough, residual=True)
+        return work, version, Drift(steps, errors)
 
 
 def check_fits(

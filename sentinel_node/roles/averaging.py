@@ -219,6 +219,13 @@ class ReplicaAverager:
         return sorted(peer.to_base58() for peer in gathered)
 
     @torch.no_grad()
+    def averaged(self) -> list[torch.Tensor]:
+        """Copies of the last round's result: what every replica of its group averaged to (recomputation audits
+        keep it as the stage's reference parameters)."""
+        with self.averager.get_tensors() as buffers:
+            return [buffer.detach().clone() for buffer in buffers]
+
+    @torch.no_grad()
     def apply(self, snapshot: list[torch.Tensor]) -> None:
         with self.averager.get_tensors() as buffers:
             for param, buffer, before in zip(self.params, buffers, snapshot, strict=True):

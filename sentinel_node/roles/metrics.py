@@ -60,6 +60,15 @@ METRICS: dict[str, MetricSpec] = {
     "sentinel_checkpoint_failures": MetricSpec(
         "counter", "Checkpoints this stage replica could not write (the log and `swarm status` say why)."
     ),
+    "sentinel_audits": MetricSpec(
+        "counter",
+        "Recomputation audits this verifier ran, by outcome (passed, convicted, contradicted, disputed, "
+        "unconfirmed), and auditor requests refused.",
+        ("outcome",),
+    ),
+    "sentinel_recomputations": MetricSpec(
+        "counter", "Audit recomputations this stage replica answered, by outcome (served, unavailable).", ("outcome",)
+    ),
 }
 
 

@@ -53,13 +53,22 @@ from hivemind.utils.performance_ema import PerformanceEMA
 from dht import DHTUnavailable, StageAnnouncement
 from peers import LivenessBlacklist, SwarmWatcher
 from peers.placement import Move, StageChoice, choose_stage, plan_rebalance, stage_loads
-from sentinel_node.attacks import Attacker, AttackError, arm, attack_maker
+from sentinel_node.attacks import (
+    Attacker,
+    AttackError,
+    StageContext,
+    arm,
+    attack_maker,
+    lies_in_audits,
+    refuses_steps,
+)
 from sentinel_node.config import Config
 from sentinel_node.model.stage import layer_range
 from sentinel_node.model.weights import WeightsError
 from sentinel_node.pipeline import StageWorker
 from sentinel_node.pipeline.device import DeviceError, resolve_device
 from sentinel_node.pipeline.throughput import measure
+from sentinel_node.roles.audits import StageRecompute
 from sentinel_node.roles.averaging import ReplicaAverager
 from sentinel_node.roles.calls import call_hop
 from sentinel_node.roles.common import JoinOptions, NodeError, software_version
@@ -234,6 +243,7 @@ def _serve(
         worker = StageWorker(config.model, config.pipeline, stage, seed=seed, device=settings.device)
     except (DeviceError, WeightsError) as e:
         raise NodeError(str(e)) from None
+    worker.applies_step = refuses_steps(attackers)  # a stage-level attack may refuse optimizer steps
     state = ReplicaState(worker, config.swarm_hash(), settings.checkpoints(stage), settings.checkpoint_every)
     state.resume()
     averager = None
@@ -306,6 +316,9 @@ class StageNode(Node):
         self.move: Move | None = None  # set when the replica decided to serve another stage
         self.leaving = False  # it takes no new microbatch: it is about to move
         self.in_flight = 0
+        self.recompute = StageRecompute(self)  # recomputation audits (sentinel_node/roles/audits.py)
+        self.lies_in_audits = lies_in_audits(attackers)  # a red-team replica may lie as an auditor
+        self._averaged_round: tuple[int, list[str], int] | None = None  # a finished round's step, group, step count
 
     # --- lifecycle hooks
 
@@ -324,6 +337,8 @@ class StageNode(Node):
         if self.averager is not None:
             self.averager.share_state(self.state.current)
             self.views.listeners.append(lambda view: self.averager.set_excluded(view.excluded))
+        if self.state.resumed_from is not None or self.state.synced_from is not None:
+            self.worker.reference.clear()  # its parameters are not the initialisation: no reference until it averages
 
     async def add_handlers(self, server: TensorServer) -> None:
         if self.worker.is_first:
@@ -336,6 +351,7 @@ class StageNode(Node):
         await server.add_handler(
             STAGE_STEP, self._step, StepRequest, admit=self._admit_step, authorize=self._authorize_step, expect=[]
         )
+        await self.recompute.add_handler(server)
 
     def announcement(self) -> StageAnnouncement:
         return self.announced(
@@ -432,6 +448,8 @@ class StageNode(Node):
         ]
         for outcome in ("served", "evaluated", "dropped", "failed"):
             samples.append(Sample("sentinel_microbatches", self.stats[outcome], (outcome,)))
+        for outcome in ("served", "unavailable"):
+            samples.append(Sample("sentinel_recomputations", self.recompute.stats[outcome], (outcome,)))
         return samples
 
     def _report(self) -> None:
@@ -475,6 +493,9 @@ class StageNode(Node):
             forward_cpu_ms=1000 * self.forward_cpu_s / self.forwards if self.forwards else None,
             compute_cpu_s=self._cpu_s,
             time=time.time(),
+            recomputations=dict(self.recompute.stats),
+            recompute_cpu_s=self.recompute.cpu_s,
+            reference=None if self.worker.reference.latest is None else self.worker.reference.latest.digest,
             **self.stats,
             **NodeStatus.view_fields(self.views.view),
         )
@@ -623,11 +644,13 @@ class StageNode(Node):
         finally:
             self._cpu_s += time.thread_time() - started
 
-    def _send(self, direction: str, tensor: torch.Tensor, step: int) -> torch.Tensor:
+    def _send(
+        self, direction: str, tensor: torch.Tensor, step: int, context: StageContext | None = None
+    ) -> torch.Tensor:
         attacker = self.attackers.get(direction)
         if attacker is None:
             return tensor
-        sent, attacked = attacker(tensor, step)
+        sent, attacked = attacker(tensor, step, context)
         self.stats["attacked"] += int(attacked)
         return sent
 
@@ -636,17 +659,18 @@ class StageNode(Node):
         output = self.worker.forward(key, inputs)
         self.forward_cpu_s += time.thread_time() - started
         self.forwards += 1
-        return self._send("activation", output, step)
+        return self._send("activation", output, step, StageContext(self.worker.module, inputs))
 
     def _backward_and_send(self, key: str, grad_output: torch.Tensor, step: int) -> torch.Tensor | None:
         grad_input = self.worker.backward(key, grad_output)
-        return None if grad_input is None else self._send("gradient", grad_input, step)
+        context = StageContext(self.worker.module, grad_output=grad_output)
+        return None if grad_input is None else self._send("gradient", grad_input, step, context)
 
     def _loss_and_grad(
         self, key: str, inputs: torch.Tensor, targets: torch.Tensor, step: int
     ) -> tuple[float, torch.Tensor]:
         loss, grad = self.worker.forward_backward_loss(key, inputs, targets)
-        return loss, self._send("gradient", grad, step)
+        return loss, self._send("gradient", grad, step, StageContext(self.worker.module, inputs, targets))
 
     def _eval_forward(self, inputs: torch.Tensor, step: int) -> torch.Tensor:
         return self._send("activation", self.worker.evaluate(inputs), step)
@@ -690,9 +714,17 @@ class StageNode(Node):
             if self._averaged is not None:
                 self.averager.apply(self._averaged)
                 self._averaged = None
+                self._keep_reference(step)
             self.state.step = step
         self.state.save(force=False)
         return stepped
+
+    def _keep_reference(self, step: int) -> None:
+        """Recomputation audits: the round just merged is the stage's reference from the next step on."""
+        if self._averaged_round is not None:
+            round_step, group, steps_at = self._averaged_round
+            self.worker.set_reference(round_step, step + 1, group, self.averager.averaged(), steps_at)
+            self._averaged_round = None
 
     async def _average(self, step: int) -> None:
         view = self.views.view
@@ -701,10 +733,11 @@ class StageNode(Node):
             self.averaging = None  # nobody to average with (or nobody who would average with us)
             return
         try:
-            snapshot = await self.lane.run(self.averager.snapshot)
+            snapshot, steps_at = await self.lane.run(lambda: (self.averager.snapshot(), self.worker.steps))
             group = await asyncio.to_thread(self.averager.average, step)
             if group is not None:
                 self._averaged = snapshot  # applied with the next step
+                self._averaged_round = (step, group, steps_at)
                 self.averaged_with = group
                 others = len(group) - 1
                 logger.info(

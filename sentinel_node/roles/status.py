@@ -75,6 +75,9 @@ class StageStatus(NodeStatus):
     failed: int
     attacked: int
     steps: int
+    recomputations: dict[str, int] = {}  # audits this replica recomputed for verifiers: served, unavailable
+    recompute_cpu_s: float = 0.0  # CPU time of those recomputations
+    reference: str | None = None  # digest of its audits' reference parameters
 
 
 class SenderCounts(_Model):
@@ -99,6 +102,8 @@ class VerifierStatus(NodeStatus):
     relayed: int
     check_cpu_s: float
     cpu_ms_per_check: float | None
+    audits: dict[str, int] = {}  # recomputation audits by outcome, and what was drawn, dropped, left incomplete
+    audit_failures: list[dict] = []  # evidence of the latest audits that did not pass
 
 
 class AccountingStatus(_Model):

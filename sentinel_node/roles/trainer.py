@@ -460,6 +460,7 @@ class TrainerNode(Node):
             kind="forward",
             route=hops[1:],
             train=train,
+            first_tokens=inputs[:, 0].tolist() if train else [],  # lets verifiers audit stage 0
         )
         candidates = [hops[0].peer_id, *hops[0].alternates]
         reply = await call_first_available(

@@ -39,6 +39,7 @@ from peers import LivenessBlacklist
 from sentinel_node.pipeline import BoundaryVerifier
 from sentinel_node.pipeline.device import DeviceError, resolve_device
 from sentinel_node.roles.admission import admitted_certificate
+from sentinel_node.roles.audits import VerifierAudits
 from sentinel_node.roles.calls import call_hop
 from sentinel_node.roles.common import JoinOptions, NodeError, software_version
 from sentinel_node.roles.compute import ComputeLane
@@ -69,6 +70,7 @@ class VerifierOptions:
     verify: bool = True  # False: a plain relay (overhead measurements, undefended runs)
     status_file: str | None = None
     device: str = "cpu"  # where the statistics are computed: cpu, cuda or cuda:N
+    audit: bool = True  # False: checks, but no recomputation audits (overhead measurements)
 
 
 @dataclass
@@ -240,6 +242,9 @@ class VerifierNode(Node):
         self._strikes_given: dict[str, int] = {}  # each sender's strike count after its last check
         self.capacity = PerformanceEMA(alpha=0.3, paused=True)  # checks per CPU second it sustains
         self._reported = (0, 0.0)  # checks and CPU seconds at the last report
+        self._metrics: dict[str, dict[str, float]] = {}  # each sender's metrics at its last published check
+        self._thresholds: dict[str, dict[str, float]] = {}  # and their thresholds then
+        self.audits = VerifierAudits(self)  # recomputation audits (sentinel_node/roles/audits.py)
 
     # --- lifecycle hooks
 
@@ -284,6 +289,7 @@ class VerifierNode(Node):
             require_finite=False,
             max_bytes=expected_bytes([self.shapes.hidden_spec, self.shapes.tokens]),
         )
+        await self.audits.add_handler(server)
 
     def announcement(self) -> VerifierAnnouncement:
         return self.announced(
@@ -306,6 +312,9 @@ class VerifierNode(Node):
         names = ", ".join(f"{b}|{b + 1}" for b in self.boundaries)
         return f"verifier {self.peer_id} {mode} on boundaries {names}"
 
+    async def stopping(self) -> None:
+        await self.audits.stop()
+
     async def finish(self) -> None:
         await asyncio.to_thread(self.publisher.stop)
 
@@ -319,6 +328,9 @@ class VerifierNode(Node):
             Sample("sentinel_microbatches", stats.malformed, ("malformed",)),
             Sample("sentinel_peers_banned", len(self.checker.ledger.banned())),
         ]
+        for outcome, count in self.audits.ledger.totals().items():
+            if outcome != "run":
+                samples.append(Sample("sentinel_audits", count, (outcome,)))
         for boundary in self.boundaries:
             for direction in ("activation", "gradient"):
                 checks, flags, strikes = stats.by_boundary.get((boundary, direction), (0, 0, 0))
@@ -343,6 +355,7 @@ class VerifierNode(Node):
             reachability=None if reach is None else ReachabilityStatus(**reach.as_dict()),
             time=time.time(),
             **self.stats.status_fields(),
+            **self.audits.status_fields(),
             **NodeStatus.view_fields(self.views.view),
         )
 
@@ -394,6 +407,8 @@ class VerifierNode(Node):
         hop, next_meta = meta.advance()
         if verdict.flagged:
             next_meta = next_meta.tainted(boundary)
+        else:
+            self.audits.forwarded(meta, boundary, caller, verdict.tensor, targets)
         reply = await call_hop(
             self.p2p,
             hop,
@@ -430,6 +445,9 @@ class VerifierNode(Node):
             return Answer([], MicrobatchReply(loss=loss, taint=taint))
         if verdict.tensor is None:
             return Answer([], MicrobatchReply(loss=loss, taint=taint))
+        if not verdict.flagged:
+            self.audits.answered(meta, boundary, reply.peer, verdict.tensor)
+        self.audits.settled(meta, boundary, taint, next_meta.route)
         return Answer([verdict.tensor], MicrobatchReply(loss=loss, taint=taint))
 
     async def _check(
@@ -476,6 +494,26 @@ class VerifierNode(Node):
             for name, value in verdict.thresholds.items()
             if math.isfinite(value)
         }
+        self.publish_record(boundary, direction, sender, record, metrics, thresholds)
+        if record.banned:
+            logger.warning(f"banned {sender} after {record.strikes} strikes; voting for its exclusion")
+
+    def publish_record(
+        self,
+        boundary: int,
+        direction: str,
+        sender: str,
+        record,
+        metrics: dict[str, float] | None = None,
+        thresholds: dict[str, float] | None = None,
+    ) -> None:
+        """Publishes this verifier's standing verdict on ``sender`` (its statistics and its audits); ``metrics``
+        and ``thresholds`` default to those of its last check."""
+        self._published[sender] = (record.strikes, record.flags, record.banned)
+        metrics = self._metrics.setdefault(sender, {}) if metrics is None else metrics
+        self._metrics[sender] = metrics
+        thresholds = self._thresholds.setdefault(sender, {}) if thresholds is None else thresholds
+        self._thresholds[sender] = thresholds
         self.publisher.submit(
             StrikeRecord(
                 verifier=self.peer_id,
@@ -492,7 +530,6 @@ class VerifierNode(Node):
                 config_hash=self.config.swarm_hash(),
                 version=software_version(),
                 time=get_dht_time(),
+                **self.audits.record_fields(sender),
             )
         )
-        if record.banned:
-            logger.warning(f"banned {sender} after {record.strikes} strikes; voting for its exclusion")

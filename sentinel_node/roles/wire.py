@@ -4,12 +4,14 @@ global step, and the tensor shapes every hop expects."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import torch
 from pydantic import Field
 
 from sentinel_node.config import Config
 from sentinel_node.transport import MicrobatchMetadata, RequestMetadata, TensorSpec, TransportSettings, WireModel
+from sentinel_node.transport.messages import PeerIdStr
 
 # A global step more than this far ahead of a replica's own (and of the swarm's, as its live replicas announce it)
 # is refused and logged as an attack: one call with step 2**62 once froze every replica for good.
@@ -19,13 +21,20 @@ MAX_STEP_AHEAD = 16
 STAGE_FORWARD = "sentinel.stage.forward"
 STAGE_STEP = "sentinel.stage.step"
 VERIFIER_RELAY = "sentinel.verifier.relay"
+# recomputation audits (sentinel_node/roles/audits.py)
+STAGE_RECOMPUTE = "sentinel.stage.recompute"
+VERIFIER_CROSSING = "sentinel.verifier.crossing"
 
 
 class PipelineRequest(MicrobatchMetadata):
     """One microbatch's nested call. ``route`` holds the hops after the callee; ``taint`` the boundaries whose
-    tensor a verifier replaced on the way forward. ``train=False`` is a validation pass: forward and loss only."""
+    tensor a verifier replaced on the way forward. ``train=False`` is a validation pass: forward and loss only.
+
+    ``first_tokens``: the first token of each sequence. Targets are the inputs shifted by one, so with it the
+    verifier of boundary 0|1 knows stage 0's whole input and can have stage 0's work recomputed."""
 
     train: bool = True
+    first_tokens: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(default_factory=list, max_length=4096)
 
 
 class StepRequest(RequestMetadata):
@@ -80,3 +89,48 @@ class Shapes:
 
 def transport_settings(config: Config) -> TransportSettings:
     return TransportSettings(compression=config.pipeline.compression, max_tensor_mib=config.pipeline.max_tensor_mib)
+
+
+# --- recomputation audits
+
+
+class RecomputeRequest(RequestMetadata):
+    """A verifier asks a stage replica for the work of the stage on a microbatch of global step ``step`` (tensors:
+    stage 0 its input tokens; a middle stage its input and the output gradient; the last stage its input and the
+    targets), recomputed with its reference parameters for that step."""
+
+    microbatch_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    step: int = Field(ge=0)
+
+
+class RecomputeReply(WireModel):
+    """The recomputed work (tensors: stage 0 its output and its embeddings; a middle stage its output and input
+    gradient; the last stage its input gradient) and the reference it was computed with; ``available=False`` (no
+    tensors) when the replica holds no reference for that step (it just joined, or its rounds failed)."""
+
+    available: bool
+    round_step: int = Field(-1, ge=-1)
+    applies_from: int = Field(0, ge=0)
+    digest: str = Field("", pattern=r"^([0-9a-f]{16})?$")
+    members: list[PeerIdStr] | None = Field(None, max_length=1024)
+    # how far the replica's own parameters carried it from the reference on this microbatch (the audit's allowance)
+    drift_steps: int = Field(0, ge=0)
+    drift: dict[Literal["activation", "gradient"], Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+
+
+class CrossingRequest(RequestMetadata):
+    """One verifier asks another for what it relayed across ``boundary`` for a microbatch."""
+
+    microbatch_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    boundary: int = Field(ge=0, le=1024)
+
+
+class CrossingReply(WireModel):
+    """What was relayed (tensors: the activation passed on and the gradient passed back), who sent the activation
+    and who answered with the gradient; ``found=False`` (no tensors) when this verifier holds no settled, untainted
+    crossing of that microbatch any more."""
+
+    found: bool
+    step: int = Field(0, ge=0)
+    sender: PeerIdStr | None = None
+    receiver: PeerIdStr | None = None

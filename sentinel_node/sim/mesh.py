@@ -19,10 +19,11 @@ from typing import Literal
 import numpy as np
 import torch
 
-from sentinel_node.attacks import DIRECTIONS, Attacker, AttackFn, arm
+from sentinel_node.attacks import DIRECTIONS, Attacker, AttackFn, StageContext, arm, refuses_steps
 from sentinel_node.config import Config
 from sentinel_node.model.corpus import Corpus, sample_batch, validation_batches
 from sentinel_node.pipeline import BoundaryVerifier, StageWorker
+from sentinel_node.sim.audits import MeshAudits
 from sentinel_node.sim.stats import DetectionStats
 from sentinel_node.verification import Verdict, content_of
 
@@ -52,9 +53,11 @@ class SimWorker:
     def malicious(self) -> bool:
         return bool(self.attackers)
 
-    def send(self, direction: str, tensor: torch.Tensor, step: int) -> tuple[torch.Tensor, bool]:
+    def send(
+        self, direction: str, tensor: torch.Tensor, step: int, context: StageContext | None = None
+    ) -> tuple[torch.Tensor, bool]:
         attacker = self.attackers.get(direction)
-        return attacker(tensor, step) if attacker is not None else (tensor, False)
+        return attacker(tensor, step, context) if attacker is not None else (tensor, False)
 
 
 @dataclass
@@ -97,6 +100,7 @@ class SimResult:
     dropped: int
     attack_start: int = 0
     timeline: list[StepCounts] = field(default_factory=list)
+    audits: dict | None = None  # sentinel_node.sim.audits.AuditStats.summary(), when audits ran
 
     @property
     def final_val_loss(self) -> float:
@@ -174,6 +178,9 @@ class Mesh:
             for verifier in verifiers:
                 verifier.enabled = verify
         self._arm_attackers()
+        # audits run with verification (the simulator's verifiers audit as the network's do)
+        audited = verify and self.config.verification.audit_rate > 0
+        self.audits = MeshAudits(self, self.seed + 3) if audited else None
 
     def fork(self) -> Mesh:
         """A copy to go on with on its own (the corpus is shared, not copied)."""
@@ -199,10 +206,19 @@ class Mesh:
                     probability=sim.attack_probability,
                     seed=f"{self.seed}:{worker.id}",
                 )
+                worker.worker.applies_step = refuses_steps(worker.attackers)
 
     @property
     def all_workers(self) -> list[SimWorker]:
         return [w for stage in self.workers for w in stage]
+
+    def worker(self, worker_id: str) -> SimWorker:
+        return next(w for w in self.all_workers if w.id == worker_id)
+
+    def exclude(self, worker_id: str, step: int) -> None:
+        """A verifier banned the worker (statistics or a convicting audit): it leaves routing and averaging."""
+        if worker_id not in self.excluded:
+            self.excluded[worker_id] = (step, self.attack_microbatches)
 
     def _live(self, stage: int) -> list[SimWorker]:
         live = [w for w in self.workers[stage] if w.id not in self.excluded]
@@ -237,17 +253,19 @@ class Mesh:
         self.stats.record(direction, attacked, verdict)
         if verdict.flagged:
             self._flags[sender.id] += 1
-        if verdict.banned and sender.id not in self.excluded:
-            self.excluded[sender.id] = (step, self.attack_microbatches)
+        if verdict.banned:
+            self.exclude(sender.id, step)
         return verdict
 
     def _microbatch(self, step: int, name: str, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         route = [self._route(k, name) for k in range(self.n_stages)]
         content = content_of(targets)
         hidden, tainted, replaced_at = inputs, False, None
+        audits = self.audits
         for k in range(self.n_stages - 1):
             sender = route[k]
-            sent, attacked = sender.send("activation", sender.worker.forward(name, hidden), step)
+            output = sender.worker.forward(name, hidden)
+            sent, attacked = sender.send("activation", output, step, StageContext(sender.worker.module, hidden))
             verdict = self._check(k, "activation", sent, sender, attacked, tainted, step, name, content)
             if verdict.flagged and replaced_at is None:
                 replaced_at = k
@@ -256,20 +274,28 @@ class Mesh:
                 # dropped by policy, or (undefended) a tensor the next stage cannot even take
                 return self._drop(route[: k + 1], name)
             hidden = verdict.tensor
+            if audits is not None:
+                audits.forward(step, name, k, sender.id, hidden, inputs, targets)
         loss, grad = route[-1].worker.forward_backward_loss(name, hidden, targets)
+        context = StageContext(route[-1].worker.module, hidden, targets)
         for k in range(self.n_stages - 1, 0, -1):
             boundary = k - 1
             if boundary == replaced_at:
                 # the gradient of a replaced activation says nothing about what its sender computed
                 self._drop(route[:k], name)
                 return loss
-            sent, attacked = route[k].send("gradient", grad, step)
+            sent, attacked = route[k].send("gradient", grad, step, context)
             verdict = self._check(boundary, "gradient", sent, route[k], attacked, tainted, step, name, content)
             tainted = tainted or verdict.tainted
             if verdict.tensor is None or tuple(verdict.tensor.shape) != self.shape:
                 self._drop(route[:k], name)
                 return loss
+            if audits is not None:
+                audits.backward(step, name, boundary, route[k].id, verdict.tensor)
+            context = StageContext(route[k - 1].worker.module, grad_output=verdict.tensor)
             grad = route[k - 1].worker.backward(name, verdict.tensor)
+        if audits is not None:
+            audits.settled(step, name, route, tainted)
         return loss
 
     def _drop(self, route: list[SimWorker], name: str) -> None:
@@ -277,15 +303,20 @@ class Mesh:
             worker.worker.discard(name)
         self.dropped += 1
 
-    def _average(self) -> None:
-        """Replicas of each stage average parameters, leaving excluded peers out (hivemind's averager's role)."""
+    def _average(self, step: int | None = None) -> None:
+        """Replicas of each stage average parameters, leaving excluded peers out (hivemind's averager's role); after
+        the round of global step ``step`` each keeps the result as its audits' reference."""
         for stage in self.workers:
-            live = [w.worker.module for w in stage if w.id not in self.excluded]
+            members = [w for w in stage if w.id not in self.excluded]
+            live = [w.worker.module for w in members]
             with torch.no_grad():
                 for params in zip(*(m.parameters() for m in live), strict=True):
                     mean = torch.stack([p.data for p in params]).mean(0)
                     for p in params:
                         p.data.copy_(mean)
+            if step is not None and self.audits is not None:
+                for w in members:
+                    w.worker.set_reference(step, step + 1, [m.id for m in members])
 
     @torch.no_grad()
     def validation_loss(self) -> float:
@@ -323,7 +354,7 @@ class Mesh:
             for worker in self.all_workers:
                 worker.worker.step(step)
             if (step + 1) % pipe.average_every == 0:
-                self._average()
+                self._average(step)
             self.train_losses.append(float(np.mean(losses)) if losses else float("nan"))
             self._flags_by_step.append(self._flags)
             self._flags = Counter()
@@ -379,4 +410,5 @@ class Mesh:
             dropped=self.dropped,
             attack_start=self.attack_start,
             timeline=timeline,
+            audits=None if self.audits is None else self.audits.stats.summary(),
         )

@@ -89,6 +89,18 @@ class SenderStrikes:
             self._standing.pop(sender)
             self._banned.put(sender, rec)
 
+    def convict(self, sender: str) -> SenderRecord:
+        """A proven offence (a recomputation audit failed and confirmed by a second replica): a strike worth the
+        whole limit, so a ban."""
+        rec = self._record(sender)
+        rec.checks += 1  # an audit is a check: a record never shows more flags than checks
+        rec.flags += 1
+        rec.clean_streak = 0
+        rec.strikes = max(rec.strikes, self.strike_limit)
+        if not rec.banned:
+            self._judge(sender, rec)
+        return rec
+
     def peek(self, sender: str) -> SenderRecord:
         """The sender's record, counting nothing."""
         return self._record(sender)

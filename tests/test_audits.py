@@ -1,0 +1,410 @@
+"""Recomputation audits without a network: the comparison, the judgement, the reference recomputation, the relay
+cache, the stage-level attacks, and the audits of the in-process mesh (which run the code the verifier role runs).
+
+The mesh runs are tiny (a narrow model, a few dozen steps) but real: every stage trains on the embedded corpus,
+every audit recomputes a stage's work with the replicas' shared reference parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sentinel_node.attacks import (
+    STAGE_ATTACKS,
+    Attacker,
+    AttackError,
+    StageAttack,
+    StageContext,
+    arm,
+    attack_maker,
+    load_attack_file,
+    refuses_steps,
+)
+from sentinel_node.config import load_config
+from sentinel_node.model import load_corpus
+from sentinel_node.pipeline import StageWorker
+from sentinel_node.pipeline.audits import AuditJudge, Recomputation, assemble
+from sentinel_node.pipeline.recompute import NoReference
+from sentinel_node.pipeline.relay_cache import AuditDraw, Crossing, RelayCache
+from sentinel_node.sim import AttackPlan, Mesh
+from sentinel_node.verification import SenderStrikes
+from sentinel_node.verification.audit import (
+    AuditLedger,
+    AuditOutcome,
+    AuditTolerance,
+    Drift,
+    Finding,
+    Work,
+    compare,
+    contribution_error,
+    decide,
+    digest,
+    relative_error,
+    wants_another,
+)
+
+TOLERANCE = AuditTolerance(exact=1e-5, floor=0.5, factor=3.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def tensor(seed: int, shape=(2, 4, 8)) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+# --- the comparison ------------------------------------------------------------------------------------------------
+
+
+def test_errors_measure_a_stages_contribution_so_skipping_its_layers_is_an_error_of_one():
+    x, f = tensor(0), 0.1 * tensor(1)
+    assert contribution_error(x, x + f, x) == pytest.approx(1.0)  # returned its input
+    assert relative_error(x, x + f) < 0.2  # what a plain relative error would have missed
+    assert contribution_error(x + f, x + f, x) == 0.0
+    assert contribution_error(x + 1.05 * f, x + f, x) == pytest.approx(0.05)
+    g = tensor(2)
+    assert relative_error(-g, g) == pytest.approx(2.0)  # an inverted gradient
+    assert relative_error(torch.full_like(g, float("nan")), g) == float("inf")
+    assert relative_error(g[:1], g) == float("inf")
+    assert relative_error(None, g) == float("inf") and relative_error(None, None) == 0.0
+
+
+def test_digest_names_the_exact_bytes_dtype_and_shape():
+    t = tensor(3)
+    assert digest(t) == digest(t.clone()) and len(digest(t)) == 64
+    assert digest(t) != digest(t.reshape(4, 2, 8))
+    assert digest(t) != digest(t.double())
+    nudged = t.clone()
+    nudged.view(-1)[0] += 1e-6
+    assert digest(nudged) != digest(t)
+
+
+def test_compare_tells_the_reference_computation_drift_mismatch_and_a_frozen_replica():
+    y, g = tensor(4), tensor(5)
+    reference = Work(output=y, grad_input=g)
+    assert compare(reference, reference, TOLERANCE, must_have_stepped=False).finding is Finding.SAME
+    frozen = compare(reference, reference, TOLERANCE, must_have_stepped=True)
+    assert frozen.finding is Finding.FROZEN and frozen.failed
+    drifted = Work(output=y * 1.1, grad_input=g)
+    assert compare(drifted, reference, TOLERANCE, must_have_stepped=True).finding is Finding.DRIFTED
+    inverted = compare(Work(output=y, grad_input=-g), reference, TOLERANCE, must_have_stepped=False)
+    assert inverted.finding is Finding.MISMATCH and inverted.direction == "gradient"
+    assert inverted.error == pytest.approx(2.0)
+
+
+def test_the_allowance_is_the_drift_the_auditor_measured_on_its_own_parameters():
+    y, g = tensor(4), tensor(5)
+    reference, far = Work(output=y, grad_input=g), Work(output=y * 2.5, grad_input=g)  # an error of 1.5
+    fast = Drift(steps=2, errors={"activation": 0.6, "gradient": 0.1})  # early training: 0.3 per step
+    slow = Drift(steps=2, errors={"activation": 0.02, "gradient": 0.01})
+    assert compare(far, reference, TOLERANCE, False, drift=fast, steps=3).finding is Finding.DRIFTED  # < 2.7
+    late = compare(far, reference, TOLERANCE, False, drift=slow, steps=3)
+    assert late.finding is Finding.MISMATCH and late.allowances["activation"] == TOLERANCE.floor
+    blind = compare(far, reference, TOLERANCE, False, drift=Drift(), steps=3)  # the auditor never stepped
+    assert blind.finding is Finding.DRIFTED and math.isinf(blind.allowances["activation"])
+    assert compare(far, reference, TOLERANCE, False, drift=Drift(), steps=0).failed  # no step since: no drift
+    skipped = compare(Work(output=y), Work(output=y + 0.1), TOLERANCE, False, passthrough=Work(output=y))
+    assert skipped.finding is Finding.SKIPPED  # its layers added nothing, whatever the allowance
+
+
+# --- the judgement --------------------------------------------------------------------------------------------------
+
+
+class Cmp:
+    def __init__(self, failed: bool) -> None:
+        self.failed = failed
+
+
+def agreeing(groups: dict[int, int]):
+    return lambda i, j: groups[i] == groups[j]
+
+
+def test_one_auditor_never_convicts_and_two_that_agree_do():
+    assert decide([Cmp(False)], agreeing({0: 0})).outcome is AuditOutcome.PASSED
+    assert decide([Cmp(True)], agreeing({0: 0})).outcome is AuditOutcome.UNCONFIRMED
+    decision = decide([Cmp(True), Cmp(True)], agreeing({0: 0, 1: 0}))
+    assert decision.outcome is AuditOutcome.CONVICTED and decision.contradicted == () and decision.convicting == (0, 1)
+
+
+def test_a_lying_first_auditor_is_contradicted_by_one_that_bears_the_claim_out():
+    decision = decide([Cmp(True), Cmp(False)], agreeing({0: 0, 1: 1}))
+    assert decision.outcome is AuditOutcome.CONTRADICTED and decision.contradicted == (0,)
+
+
+def test_when_two_accusers_disagree_a_third_decides_and_the_odd_one_out_is_contradicted():
+    two = [Cmp(True), Cmp(True)]
+    assert decide(two, agreeing({0: 0, 1: 1})).outcome is AuditOutcome.DISPUTED
+    assert wants_another(two, agreeing({0: 0, 1: 1}))
+    convicted = decide([*two, Cmp(True)], agreeing({0: 0, 1: 1, 2: 1}))
+    assert convicted.outcome is AuditOutcome.CONVICTED and convicted.contradicted == (0,)
+    cleared = decide([*two, Cmp(False)], agreeing({0: 0, 1: 1, 2: 2}))
+    assert cleared.outcome is AuditOutcome.CONTRADICTED and cleared.contradicted == (0, 1)
+    assert not wants_another([*two, Cmp(True)], agreeing({0: 0, 1: 1, 2: 2}))  # three asked: disputed it stays
+
+
+def test_repeated_refusals_are_a_strike():
+    ledger = AuditLedger(refusal_limit=3)
+    assert [ledger.refusal("slow") for _ in range(4)] == [False, False, True, False]
+    ledger.refusal("other")
+    ledger.record(AuditOutcome.PASSED, "someone", ["other"])  # answering resets the streak
+    assert [ledger.refusal("other") for _ in range(3)] == [False, False, True]
+
+
+# --- what an auditor recomputes --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def config():
+    return load_config().with_overrides(
+        model={"hidden_size": 16, "intermediate_size": 40, "n_layers": 3, "n_heads": 2, "n_kv_heads": 2},
+        pipeline={"n_stages": 3, "microbatch_size": 2, "seq_len": 8},
+    )
+
+
+def test_a_recomputation_is_the_training_computation_and_touches_nothing_of_the_replica(config):
+    worker = StageWorker(config.model, config.pipeline, 1, seed=0)
+    x, g = tensor(6, (2, 8, 16)), tensor(7, (2, 8, 16))
+    pending = worker.forward("pending", tensor(8, (2, 8, 16)))  # a microbatch awaiting its backward
+    work, version, drift = worker.recompute(0, x, g)
+    assert drift.steps == 0  # it has not stepped since the reference
+    assert version.round_step == -1 and version.members is None
+    assert all(p.grad is None for p in worker.module.parameters())  # nothing accumulated
+    output = worker.forward("audited", x)
+    grad_input = worker.backward("audited", g)
+    assert torch.equal(work.output, output) and torch.equal(work.grad_input, grad_input)  # bitwise, fp32 CPU
+    assert worker.backward("pending", torch.ones_like(pending)) is not None  # the pending graph survived
+
+
+def test_recomputation_uses_the_reference_not_the_replicas_own_parameters(config):
+    worker = StageWorker(config.model, config.pipeline, 2, seed=0)  # the last stage
+    x, targets = tensor(9, (2, 8, 16)), torch.randint(0, 256, (2, 8))
+    before, _, _ = worker.recompute(0, x, targets=targets)
+    worker.forward_backward_loss("m", x, targets)
+    assert worker.step(0)  # its own parameters moved
+    after, _, drift = worker.recompute(1, x, targets=targets)
+    assert torch.equal(before.grad_input, after.grad_input)
+    assert drift.steps == 1 and drift.errors["gradient"] > 0  # its own parameters moved it this far
+    worker.set_reference(round_step=4, applies_from=5, members=["a", "b"])
+    moved, version, _ = worker.recompute(5, x, targets=targets)
+    assert not torch.equal(moved.grad_input, before.grad_input) and version.includes("a")
+    assert not version.includes("c")
+    with pytest.raises(NoReference):
+        worker.recompute(4 + 2 * config.pipeline.average_every + 1, x, targets=targets)  # too old to compare
+
+
+def test_stage_zero_recomputes_its_embeddings_too(config):
+    worker = StageWorker(config.model, config.pipeline, 0, seed=0)
+    tokens = torch.randint(0, 256, (2, 8))
+    work, _, _ = worker.recompute(0, tokens)
+    assert torch.equal(work.output, worker.forward("t", tokens))
+    assert torch.equal(work.embedding, worker.module.embed(tokens).detach())
+
+
+# --- the relay cache and the case ---------------------------------------------------------------------------------
+
+
+def crossing(mb: str, boundary: int, sender: str, receiver: str, seed: int) -> Crossing:
+    c = Crossing(mb, 3, boundary, sender, tensor(seed, (2, 8, 16)))
+    c.receiver, c.gradient, c.settled = receiver, tensor(seed + 1, (2, 8, 16)), True
+    return c
+
+
+def test_the_cache_is_bounded_by_bytes_and_evicts_the_oldest():
+    one = crossing("a", 0, "s", "r", 0).nbytes
+    cache = RelayCache(max_bytes=int(2.5 * one))
+    for name in "abc":
+        cache.open(crossing(name, 0, "s", "r", 0))
+    assert cache.get("a", 0) is None and cache.get("c", 0) is not None
+    assert cache.bytes <= 2.5 * one and cache.evicted == 1
+    cache.completed("r", 4)
+    assert cache.completed_between("r", 3, 5) and not cache.completed_between("r", 4, 5)
+
+
+def test_a_middle_stages_work_is_assembled_from_the_crossings_around_it():
+    below, above = crossing("m", 0, "s0", "A", 10), crossing("m", 1, "A", "s2", 20)
+    case = assemble(1, 3, below, above)
+    assert case.audited == "A" and torch.equal(case.inputs, below.activation)
+    assert torch.equal(case.claimed.output, above.activation) and torch.equal(case.claimed.grad_input, below.gradient)
+    assert torch.equal(case.grad_output, above.gradient)
+    assert set(case.digests) == {"input", "output", "grad_output", "grad_input"}
+    assert assemble(1, 3, below, crossing("m", 1, "B", "s2", 20)) is None  # not the same replica's work
+    above.tainted = True
+    assert assemble(1, 3, below, above) is None
+
+
+def test_the_draw_is_a_share_of_settled_microbatches():
+    draw = AuditDraw(0.25, seed=1)
+    share = sum(draw() for _ in range(4000)) / 4000
+    assert 0.22 < share < 0.28
+    assert not any(AuditDraw(0.0, seed=1)() for _ in range(100))
+
+
+def test_the_judge_convicts_only_with_two_agreeing_auditors_and_strikes_the_contradicted(config):
+    worker = StageWorker(config.model, config.pipeline, 1, seed=0)
+    below, above = crossing("m", 0, "s0", "cheat", 30), crossing("m", 1, "cheat", "s2", 40)
+    honest, version, _ = worker.recompute(3, below.activation, above.gradient)
+    above.activation = honest.output
+    below.gradient = -honest.grad_input  # the gradient it sent back, inverted
+    case = assemble(1, 3, below, above)
+    strikes = SenderStrikes(3, 100)
+    judge = AuditJudge(TOLERANCE, strikes, AuditLedger(), lambda *_: False)
+    drift = Drift(steps=1, errors={"activation": 0.01, "gradient": 0.01})
+    liar = Recomputation("liar", Work(output=honest.output, grad_input=3 * honest.grad_input), version, drift)
+    auditors = [Recomputation(name, honest, version, drift) for name in ("h1", "h2")]
+    recs = [liar, *auditors]
+    result = judge.settle(case, recs, [judge.compare(case, r) for r in recs])
+    assert result.outcome is AuditOutcome.CONVICTED and strikes.is_banned("cheat")
+    assert result.contradicted == ("liar",) and strikes.peek("liar").strikes == 1
+    assert result.evidence["auditors"] == ["h1", "h2"] and result.evidence["error"] > 1
+
+
+# --- stage-level attacks -------------------------------------------------------------------------------------------
+
+
+def test_stage_attacks_change_what_a_replica_does_not_how_the_tensor_looks(config):
+    name, make = attack_maker("skip")
+    skip = arm(make, "both", 1, 3, seed="x")
+    x, g = tensor(60, (2, 8, 16)), tensor(61, (2, 8, 16))
+    out, attacked = skip["activation"](x * 2, 0, StageContext(inputs=x))
+    assert attacked and torch.equal(out, x)
+    out, _ = skip["gradient"](g * 2, 0, StageContext(grad_output=g))
+    assert torch.equal(out, g)
+    replay = arm(attack_maker("replay")[1], "both", 1, 3, seed="x")["activation"]
+    first, attacked_first = replay(x, 0)
+    second, attacked_second = replay(g, 0)
+    assert torch.equal(first, x) and not attacked_first and torch.equal(second, x) and attacked_second
+
+
+def test_a_stale_replica_never_applies_its_optimizer_step(config):
+    worker = StageWorker(config.model, config.pipeline, 2, seed=0)
+    attackers = arm(attack_maker("stale")[1], "both", 2, 3, start=1, seed="x")
+    worker.applies_step = refuses_steps(attackers)
+    x, targets = tensor(62, (2, 8, 16)), torch.randint(0, 256, (2, 8))
+    worker.forward_backward_loss("a", x, targets)
+    assert worker.step(0)  # before the attack starts
+    frozen = [p.detach().clone() for p in worker.module.parameters()]
+    worker.forward_backward_loss("b", x, targets)
+    assert not worker.step(1) and worker.accumulated == 0
+    assert all(torch.equal(p, q) for p, q in zip(worker.module.parameters(), frozen, strict=True))
+    assert refuses_steps(arm(attack_maker("scale")[1], "both", 2, 3)) is None
+
+
+def test_an_attack_file_may_name_a_stage_attack_class(tmp_path):
+    path = tmp_path / "mine.py"
+    path.write_text(
+        "from sentinel_node.attacks import StageAttack\n"
+        "class Lazy(StageAttack):\n"
+        "    def gradient(self, grad_input, step, context):\n"
+        "        return grad_input * 0.5\n"
+        "class NotOne:\n"
+        "    pass\n"
+    )
+    name, cls = load_attack_file(f"{path}:Lazy")
+    assert name == "Lazy" and issubclass(cls, StageAttack)
+    attackers = arm(attack_maker(file=f"{path}:Lazy")[1], "both", 1, 3)
+    g = tensor(63)
+    assert torch.equal(attackers["gradient"](g, 0)[0], g * 0.5)
+    with pytest.raises(AttackError, match="StageAttack"):
+        load_attack_file(f"{path}:NotOne")
+    assert set(STAGE_ATTACKS) == {"stale", "skip", "replay", "lie"}
+    assert isinstance(attackers["gradient"], Attacker)
+
+
+# --- audits in the mesh --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus(max_bytes=2**20)
+
+
+def mesh_config(**verification):
+    # statistics that never leave their warm-up: whatever is caught here, audits caught
+    return load_config().with_overrides(
+        model={"hidden_size": 32, "intermediate_size": 86, "n_layers": 3},
+        pipeline={"n_stages": 3},
+        verification={"warmup": 10**6, "audit_rate": 0.5, **verification},
+        sim={"steps": 24, "attack_start": 10, "replicas": 4, "eval_every": 12, "eval_batches": 1},
+    )
+
+
+def test_the_mesh_convicts_a_gradient_inverter_that_statistics_miss(corpus):
+    config = mesh_config()
+    plan = AttackPlan("scale", "gradient", attack_maker("scale")[1])
+    result = Mesh(config, corpus, plan).run()
+    assert result.malicious == ["s1r0"] and set(result.banned_at) == {"s1r0"}
+    audits = result.audits
+    assert audits["malicious"]["convicted"] == 1 and audits["honest"]["convicted"] == 0
+    assert audits["honest_failed_first"] == 0 and audits["honest_audits"] > 20
+    conviction = audits["convictions"][0]
+    assert conviction["direction"] == "gradient" and conviction["step"] >= 10 and conviction["error"] > 1
+    assert len(conviction["auditors"]) == 2 and "s1r0" not in conviction["auditors"]
+
+
+def test_a_lying_auditor_cannot_frame_an_honest_replica(corpus):
+    config = mesh_config(audit_rate=1.0)
+    # s1r0 trains honestly and lies whenever it audits: it says the layers add the opposite of what they add
+    liar = AttackPlan("lie", "both", attack_maker("lie")[1])
+    mesh = Mesh(config.with_overrides(sim={"attack_start": 0}), corpus, liar)
+    result = mesh.run(steps=12)
+    assert result.malicious == ["s1r0"]
+    assert set(result.banned_at) <= {"s1r0"}  # only the liar may go
+    audits = result.audits
+    assert audits["honest"]["convicted"] == 0 and audits["honest_auditors_contradicted"] == 0
+    assert audits["honest"]["contradicted"] > 0  # the liar accused honest replicas, and was contradicted
+    ledger = mesh.verifiers[0][0].ledger
+    assert ledger.peek("s1r0").strikes > 0
+
+
+# --- what people see ------------------------------------------------------------------------------------------------
+
+
+def test_swarm_strikes_shows_audits_and_the_evidence_of_a_failed_one():
+    from dht import StrikeRecord, ephemeral_identity
+    from peers import StrikeLedger, SwarmView
+    from sentinel_node.cli.swarm_tables import render_strikes, to_json
+
+    config = load_config()
+    verifier, accused, auditor = (ephemeral_identity().peer_id for _ in range(3))
+    evidence = {
+        "microbatch": "s7:m2:a0",
+        "step": 7,
+        "stage": 1,
+        "finding": "mismatch",
+        "direction": "gradient",
+        "error": 2.0,
+        "confirmed_error": 2.0,
+        "auditors": [auditor, verifier],
+        "digests": {"input": "a" * 64, "grad_input": "b" * 64},
+        "parameters": "0123456789abcdef",
+    }
+    record = StrikeRecord(
+        verifier=verifier,
+        accused=accused,
+        boundary=0,
+        direction="gradient",
+        strikes=3,
+        checks=1,
+        flags=1,
+        metrics={},
+        banned=True,
+        config_hash=config.swarm_hash(),
+        version="test",
+        time=100.0,
+        audits_passed=5,
+        audits_failed=1,
+        audit=evidence,
+    )
+    view = SwarmView(config.pipeline.n_stages, ledger=StrikeLedger.from_records([record]), time=110.0)
+    text = render_strikes(view, config)
+    assert "5/1" in text and "FAILED AUDITS" in text
+    assert "s7:m2:a0" in text and auditor in text and "mismatch gradient" in text and "grad_input=bbbbbbbbbbbb" in text
+    assert to_json(view, config, "strikes")["strikes"][accused][0]["audit"]["microbatch"] == "s7:m2:a0"
