@@ -253,9 +253,9 @@ class SwarmConfigRecord(SwarmRecord):
 
     It lives under one key for every swarm (:data:`~dht.keys.CONFIG_KEY`): a joiner does not know the swarm's
     prefix until it has read this record. Each publisher writes under its own owner tag; today any node may
-    publish, and readers refuse to guess when publishers disagree; but the swarm's own nodes store only the record
-    of their own config (its ``config_hash`` and ``prefix``, :mod:`dht.validation`), so a joiner reading through
-    them never sees another swarm's.
+    publish (any swarm's record is stored, within its size and lifetime), so a joiner takes the record of the
+    bootstrap it dialed (the peer id in its ``--initial-peers`` address) and refuses to guess when it has none and
+    publishers disagree.
     """
 
     kind: Literal["swarm_config"] = "swarm_config"

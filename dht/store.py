@@ -190,12 +190,9 @@ class RecordStore:
         records: dict[str, SwarmRecord] = {}
         record_key_id = key_id(key)
         now = get_dht_time()
-        any_config = key == CONFIG_KEY  # a joiner reads which config to run (the swarm's nodes store only theirs)
         for subkey, item in found.value.items():
             try:
-                record = check_record(
-                    self.rules, record_key_id, subkey, item.value, item.expiration_time, now, any_config=any_config
-                )
+                record = check_record(self.rules, record_key_id, subkey, item.value, item.expiration_time, now)
             except ForeignConfigError as e:
                 self._warn_foreign_config(subkey, e.config_hash)
                 continue

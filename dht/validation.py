@@ -94,12 +94,12 @@ def check_record(
     value: object,
     expiration: float,
     now: float | None = None,
-    any_config: bool = False,
 ) -> SwarmRecord:
     """The record, if ``value`` is one that this swarm's validators accept under ``record_key_id`` and ``subkey``
     with ``expiration``; RecordError (ForeignConfigError for another config's record) saying why otherwise.
-    Signatures are checked separately, by hivemind's RSASignatureValidator. ``any_config`` lets a swarm config
-    record of any swarm pass (a joiner reading which config to run; the swarm's own nodes store only their own)."""
+    Signatures are checked separately, by hivemind's RSASignatureValidator. A swarm config record of any swarm
+    passes (it is what a joiner reads to learn the swarm; hivemind validates what a node stores and what it reads
+    alike), within its shape, size and lifetime; the joiner picks its bootstrap's (sentinel_node.swarm_config)."""
     now = get_dht_time() if now is None else now
     public_key = public_key_from_owner_tag(subkey) if isinstance(subkey, bytes) else None
     if public_key is None:
@@ -111,7 +111,7 @@ def check_record(
         raise RecordError(str(e)) from None
     if record.author != owner:
         raise RecordError(f"the record speaks for {record.author} but is owned by {owner}")
-    foreign_ok = any_config and isinstance(record, SwarmConfigRecord)
+    foreign_ok = isinstance(record, SwarmConfigRecord)
     if not foreign_ok:
         _check_place(rules, record)
     expected_key = record.key(rules.keys)
@@ -135,8 +135,6 @@ def _check_place(rules: SwarmRules, record: SwarmRecord) -> None:
         raise RecordError(f"boundaries {record.boundaries}: the swarm has {rules.n_boundaries} boundaries")
     if isinstance(record, StrikeRecord) and record.boundary >= rules.n_boundaries:
         raise RecordError(f"boundary {record.boundary} does not exist: the swarm has {rules.n_boundaries}")
-    if isinstance(record, SwarmConfigRecord) and record.prefix != rules.prefix:
-        raise RecordError(f"the config of swarm {record.prefix!r}, this swarm is {rules.prefix!r}")
 
 
 def _check_times(rules: SwarmRules, record: SwarmRecord, expiration: float, now: float) -> None:

@@ -124,9 +124,26 @@ def resolve(published: Published, given: Config | None, where: str, given_name: 
     return published.configs[hashes[0]]
 
 
-def read_published(store: RecordStore, timeout: float | None = None) -> Published:
-    """The configs published in the DHT ``store`` reads (every publisher's); DHTUnavailable past the timeout."""
-    return Published.of(store.swarm_configs(timeout))
+def read_published(
+    store: RecordStore, timeout: float | None = None, initial_peers: Sequence[str] = ()
+) -> Published:
+    """The configs published in the DHT ``store`` reads; DHTUnavailable past the timeout. When a peer named in
+    ``initial_peers`` (the ``/p2p/<peer id>`` of an address this node dialed) publishes one, only those count: anyone
+    may publish a config record, but a joiner trusts the bootstrap it was told to join, so a stranger's record can
+    neither replace the swarm's config nor make the join ambiguous."""
+    records = store.swarm_configs(timeout)
+    dialed = dialed_peer_ids(initial_peers)
+    chosen = {author: record for author, record in records.items() if author in dialed}
+    return Published.of(chosen or records)
+
+
+def dialed_peer_ids(initial_peers: Sequence[str]) -> set[str]:
+    """The peer ids in multiaddrs (their ``/p2p/<id>`` parts)."""
+    ids = set()
+    for maddr in initial_peers:
+        parts = maddr.split("/")
+        ids.update(parts[i + 1] for i, part in enumerate(parts[:-1]) if part == "p2p")
+    return ids
 
 
 class ConfigPublisher:

@@ -49,7 +49,7 @@ class SwarmReader:
     def _swarm_config(self, given: Config | None, given_name: str, deadline: float) -> Config:
         probe = record_store(self.dht, given or Config(), identity=None, timeout=max(0.5, deadline - time.monotonic()))
         try:
-            published = read_published(probe)
+            published = read_published(probe, initial_peers=self.initial_peers)
         except DHTUnavailable as e:
             if given is not None:
                 return given  # nothing to compare with; the reads that follow say whether the swarm answers

@@ -117,7 +117,7 @@ def check_swarm_config(store: RecordStore, options: JoinOptions) -> None:
     from sentinel_node.swarm_config import describe_where, read_published, resolve
 
     try:
-        published = read_published(store)
+        published = read_published(store, initial_peers=options.initial_peers)
     except DHTUnavailable:
         logger.warning("the swarm's published config could not be read in time; not checked against --config")
         return

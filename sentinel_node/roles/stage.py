@@ -414,24 +414,36 @@ class StageNode(Node):
     async def _check_not_behind(self) -> None:
         """A replica whose state is older than the swarm's step must not serve it as current: the stage would go back
         to that state unnoticed (a restart from a stale checkpoint once lost 944 steps). NodeError naming both steps,
-        unless ``resume_behind``, which adopts the swarm's step for this state."""
+        unless ``resume_behind``, which adopts the swarm's step for this state.
+
+        A replica with fresh weights on a stage that no live replica holds (its last one died, and this one joined or
+        moved to cover it) adopts the swarm's step with a warning: no newer state of the stage exists anywhere, and
+        refusing would leave the stage uncovered for good."""
         view = await self.views.refresh(force=True)
         swarm_step = view.step_estimate(exclude=self.peer_id)
         if self.last_step >= swarm_step:
             return
         mine = "fresh weights" if self.last_step < 0 else f"step {self.last_step}"
         where = f" (checkpoint in {self.state.state_dir})" if self.state.resumed_from is not None else ""
-        if not self.settings.resume_behind:
+        others = [a for a in view.live_replicas(self.stage) if a.peer_id != self.peer_id]
+        uncovered = self.state.resumed_from is None and self.state.synced_from is None and not others
+        if uncovered:
+            logger.warning(
+                f"stage {self.stage} has no other live replica and no state to sync: serving fresh weights as step "
+                f"{swarm_step}, the swarm's step (the stage's training so far is lost)"
+            )
+        elif not self.settings.resume_behind:
             raise NodeError(
                 f"stage {self.stage}: this replica's state is at {mine}{where}, but the swarm's live replicas are at "
                 f"step {swarm_step}; serving it would set the stage back {swarm_step - self.last_step} steps. Restore "
                 "a newer checkpoint into --state-dir, or rejoin with --resume-behind to serve this state at the "
                 f"swarm's step {swarm_step} knowingly"
             )
-        logger.warning(
-            f"stage {self.stage}: --resume-behind: serving {mine}{where} as step {swarm_step}, the swarm's step "
-            f"({swarm_step - self.last_step} steps of training on this stage are lost)"
-        )
+        else:
+            logger.warning(
+                f"stage {self.stage}: --resume-behind: serving {mine}{where} as step {swarm_step}, the swarm's step "
+                f"({swarm_step - self.last_step} steps of training on this stage are lost)"
+            )
         with self.state.lock:
             self.state.step = self.last_step = swarm_step
 
