@@ -349,8 +349,8 @@ class VerifierAudits:
         ``round_step``, from that averaging round), with the candidates after it. Refusals and failures are noted
         against the auditor (repeated ones are a strike)."""
         tensors = [case.inputs]
-        if case.grad_output is not None:
-            tensors.append(case.grad_output)
+        if case.grad_output is not None and case.stage > 0:  # stage 0 recomputes its forward alone: no gradient in
+            tensors.append(case.grad_output)  # (its handler takes exactly the tensors it uses, transport/server.py)
         if case.targets is not None:
             tensors.append(case.targets)
         request = RecomputeRequest(

@@ -184,13 +184,23 @@ def run_stage(
         raise NodeError(str(e)) from None
     with started_node(options, stop_event) as context:
         choice = _choose(context) if settings.placed else StageChoice(settings.stage, "pinned by --stage")
-        stage, why, reachability = choice.stage, choice.reason, None
-        while True:
-            logger.info(f"serving stage {stage}: {why}")
-            served = _serve(context, settings, stage, on_ready, reachability)
-            if not isinstance(served, StageNode) or served.move is None or context.stop.event.is_set():
-                return
-            stage, why, reachability = served.move.target, served.move.reason, served.reachability
+        # One event loop for every stage this node serves: p2pd ties a handler to the client connection that
+        # registered it, and a handler name registered from a loop that has ended is never free again in a new one
+        # (measured: re-adding it timed out, then "already registered")
+        asyncio.run(_serve_moving(context, settings, choice, on_ready))
+
+
+async def _serve_moving(
+    context: NodeContext, settings: StageOptions, choice: StageChoice, on_ready: Callable[[str, list[str]], None]
+) -> None:
+    """Serves ``choice``'s stage, then each stage the node moves to, until it is stopped."""
+    stage, why, reachability = choice.stage, choice.reason, None
+    while True:
+        logger.info(f"serving stage {stage}: {why}")
+        served = await _serve(context, settings, stage, on_ready, reachability)
+        if served.move is None or context.stop.event.is_set():
+            return
+        stage, why, reachability = served.move.target, served.move.reason, served.reachability
 
 
 def _choose(context: NodeContext) -> StageChoice:
@@ -225,7 +235,7 @@ def _choose(context: NodeContext) -> StageChoice:
     return choice
 
 
-def _serve(
+async def _serve(
     context: NodeContext,
     settings: StageOptions,
     stage: int,
@@ -257,7 +267,7 @@ def _serve(
         )
     node = StageNode(context, settings, worker, attackers, averager, state, reachability)
     try:
-        asyncio.run(node.serve(on_ready))
+        await node.serve(on_ready)
     finally:
         if averager is not None:
             averager.shutdown()
