@@ -85,6 +85,21 @@ def choose_stage(loads: Sequence[StageLoad], rng: random.Random, jitter: float =
     return StageChoice(chosen.stage, f"{why}; the others: {others or 'none'}")
 
 
+def should_yield(view: SwarmView, me: str, stage: int) -> bool:
+    """Whether a replica that just chose ``stage`` should choose again: another replica (online or joining) took the
+    same stage while some stage has nobody, and that replica's peer id is the smaller (nodes that joined at the same
+    moment, from the same view, agree without talking on which of them stays)."""
+    loads = stage_loads(view, leave_out={me})
+    if not any(load.replicas == 0 for load in loads if load.stage != stage):
+        return False
+    rivals = [
+        a.peer_id
+        for a in view.stages.get(stage, {}).values()
+        if a.state in ("online", "joining") and a.peer_id != me and not view.is_excluded(a.peer_id)
+    ]
+    return any(peer < me for peer in rivals)
+
+
 @dataclass(frozen=True)
 class Move:
     """Moving from ``source`` to ``target`` takes the slowest stage's total from ``before`` to ``after``."""

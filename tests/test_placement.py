@@ -10,7 +10,7 @@ import pytest
 from dht import StageAnnouncement, StrikeRecord, ephemeral_identity
 from peers import ExclusionParams, ExclusionPolicy, StrikeLedger, SwarmView, Verdict
 from peers.health import Health
-from peers.placement import BALANCE_QUALITY, StageLoad, choose_stage, plan_move, stage_loads
+from peers.placement import BALANCE_QUALITY, StageLoad, choose_stage, plan_move, should_yield, stage_loads
 
 IDS = [ephemeral_identity().peer_id for _ in range(6)]
 
@@ -144,3 +144,14 @@ def test_of_two_replicas_that_would_make_the_same_move_only_one_moves():
     assert plan_rebalance(view, b) is None  # a makes the move; b looks again later
     assert plan_rebalance(view, IDS[2]) is None  # its stage has no other replica
     assert plan_rebalance(view, IDS[3]) is None  # not in the view
+
+
+def test_of_two_joiners_that_chose_the_same_stage_while_one_is_empty_the_larger_id_chooses_again():
+    a, b, c, d = sorted(ephemeral_identity().peer_id for _ in range(4))
+    both = view_of(replica(a, 0, 0.0, "joining"), replica(b, 0, 0.0, "joining"), replica(c, 2, 10.0))
+    assert should_yield(both, b, 0) and not should_yield(both, a, 0)
+    # nothing to gain when every other stage has a replica already
+    full = view_of(
+        replica(a, 0, 0.0, "joining"), replica(b, 0, 0.0, "joining"), replica(c, 1, 1.0), replica(d, 2, 1.0)
+    )
+    assert not should_yield(full, b, 0)

@@ -52,7 +52,7 @@ from hivemind.utils.performance_ema import PerformanceEMA
 
 from dht import DHTUnavailable, StageAnnouncement
 from peers import LivenessBlacklist, SwarmWatcher
-from peers.placement import Move, StageChoice, choose_stage, plan_rebalance, stage_loads
+from peers.placement import Move, StageChoice, choose_stage, plan_rebalance, should_yield, stage_loads
 from sentinel_node.attacks import (
     Attacker,
     AttackError,
@@ -218,6 +218,24 @@ def _choose(context: NodeContext) -> StageChoice:
         except DHTUnavailable as e:
             logger.info(f"reading the swarm to choose a stage: {e}; trying again")
     choice = choose_stage(stage_loads(view, leave_out={context.peer_id}), rng)
+    _announce_joining(context, choice.stage)
+    # Nodes started together may have read the same view: once their choices are in the DHT, the one of two on the
+    # same stage with the larger peer id chooses again while some stage has nobody (a slow machine read late)
+    for _ in range(3):
+        time.sleep(config.swarm.announce_period)
+        try:
+            view = watcher.refresh()
+        except DHTUnavailable:
+            break
+        if not should_yield(view, context.peer_id, choice.stage):
+            break
+        choice = choose_stage(stage_loads(view, leave_out={context.peer_id}), rng)
+        _announce_joining(context, choice.stage)
+    return choice
+
+
+def _announce_joining(context: NodeContext, stage: int) -> None:
+    config = context.config
     record = StageAnnouncement(
         peer_id=context.peer_id,
         maddrs=context.maddrs,
@@ -225,14 +243,13 @@ def _choose(context: NodeContext) -> StageChoice:
         relayed=False,
         throughput=0.0,
         name=context.options.name,
-        stage=choice.stage,
+        stage=stage,
         config_hash=config.swarm_hash(),
         version=software_version(),
         time=get_dht_time(),
     )
     with contextlib.suppress(Exception):  # the node announces itself again in a moment anyway
         context.store.put(record, ttl=config.swarm.announce_ttl)
-    return choice
 
 
 async def _serve(
