@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
@@ -272,7 +273,10 @@ class Node:
                 f"the swarm config admits no {role}: list peer ids in it, name an organiser, or make the role open "
                 "(docs/security.md); until then the pipeline cannot run"
             )
-        asyncio.get_running_loop().set_exception_handler(_quiet_lost_connections)
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(_quiet_lost_connections)
+        with contextlib.suppress(ValueError, RuntimeError):  # not the main thread (in-process tests): no signal
+            loop.add_signal_handler(signal.SIGUSR1, _log_tasks)
         metrics = serve_metrics(
             context, self.role, self.samples, view=(lambda: self.views.view) if self.keeps_view else None
         )
@@ -362,3 +366,14 @@ class Node:
             self.write_status()
         finally:
             self.close()
+
+
+def _log_tasks() -> None:
+    """``kill -USR1 <pid>``: every pending task of the node's event loop and where it waits, in its log (for a node
+    that seems stuck)."""
+    for task in asyncio.all_tasks():
+        frames = task.get_stack(limit=12)
+        where = " <- ".join(
+            f"{f.f_code.co_name} ({f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno})" for f in frames
+        )
+        logger.warning(f"task {task.get_name()}: {where or 'not started'}")
