@@ -369,11 +369,15 @@ class Node:
 
 
 def _log_tasks() -> None:
-    """``kill -USR1 <pid>``: every pending task of the node's event loop and where it waits, in its log (for a node
-    that seems stuck)."""
+    """``kill -USR1 <pid>``: every pending task of the node's event loop and where it waits, innermost last, in its
+    log (for a node that seems stuck)."""
     for task in asyncio.all_tasks():
-        frames = task.get_stack(limit=12)
-        where = " <- ".join(
-            f"{f.f_code.co_name} ({f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno})" for f in frames
-        )
-        logger.warning(f"task {task.get_name()}: {where or 'not started'}")
+        frames, awaited = [], task.get_coro()
+        while awaited is not None and len(frames) < 32:
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+            if frame is not None:
+                frames.append(
+                    f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})"
+                )
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+        logger.warning(f"task {task.get_name()}: {' -> '.join(frames) or 'not started'}")
