@@ -124,9 +124,7 @@ def resolve(published: Published, given: Config | None, where: str, given_name: 
     return published.configs[hashes[0]]
 
 
-def read_published(
-    store: RecordStore, timeout: float | None = None, initial_peers: Sequence[str] = ()
-) -> Published:
+def read_published(store: RecordStore, timeout: float | None = None, initial_peers: Sequence[str] = ()) -> Published:
     """The configs published in the DHT ``store`` reads; DHTUnavailable past the timeout. When a peer named in
     ``initial_peers`` (the ``/p2p/<peer id>`` of an address this node dialed) publishes one, only those count: anyone
     may publish a config record, but a joiner trusts the bootstrap it was told to join, so a stranger's record can

@@ -75,6 +75,10 @@ class NodeContext:
     maddrs: list[str]
     options: JoinOptions
     p2pd: int | None = None  # the pid of the DHT's daemon
+    # the libp2p handle and the handlers' server, kept across the nodes this process serves one after the other (a
+    # stage that moves): p2pd ties handler names to the client that registered them
+    p2p: P2P | None = None
+    server: TensorServer | None = None
 
     @property
     def peer_id(self) -> str:
@@ -282,12 +286,16 @@ class Node:
         )
         tasks: list[asyncio.Task] = []
         try:
-            self.p2p = await context.dht.replicate_p2p()
+            if context.p2p is None:
+                context.p2p = await context.dht.replicate_p2p()
+            self.p2p = context.p2p
             if self.announces_joining:
                 self.announcer = self._announcer(state="joining")
             await self.prepare()
             if self.serves:
-                self.server = TensorServer(self.p2p, self.transport)
+                if context.server is None:
+                    context.server = TensorServer(self.p2p, self.transport)
+                self.server = context.server
                 await self.add_handlers(self.server)
                 await serve_reachability(self.server)
                 self.reachability = self.reachability or await self._check_reachability()
@@ -342,6 +350,11 @@ class Node:
         ]
         return lines
 
+    @property
+    def moving(self) -> bool:
+        """Whether this process serves another node right after this one (a stage replica moving)."""
+        return False
+
     def describe_details(self) -> list[str]:
         """The role's own lines of :meth:`describe` (its stage, device, model, throughput...)."""
         return []
@@ -360,7 +373,8 @@ class Node:
         try:
             await self.stopping()
             if self.server is not None and dht_alive:
-                await bounded(self.server.remove_handlers(), SHUTDOWN_STEP_S, "removing the handlers")
+                unregister = not self.moving  # a node that serves again in this process keeps the names
+                await bounded(self.server.remove_handlers(unregister), SHUTDOWN_STEP_S, "removing the handlers")
             self.announcer.stop(offline=dht_alive, wait=None if dht_alive else 0.2)
             await self.finish()
             self.write_status()

@@ -395,6 +395,10 @@ class StageNode(Node):
             tasks.append(self._rebalance())
         return tasks
 
+    @property
+    def moving(self) -> bool:
+        return self.move is not None and not self.context.stop.event.is_set()
+
     def ready_line(self) -> str:
         kind = "red-team replica" if self.attackers else "replica"
         return f"stage {self.stage} {kind} {self.peer_id} serving swarm {self.config.swarm.prefix}"

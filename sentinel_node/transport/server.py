@@ -38,6 +38,7 @@ from sentinel_node.transport.errors import (
     HopInternal,
     HopMalformed,
     HopOverloaded,
+    HopUnavailable,
     MalformedMessageError,
     encode_error,
 )
@@ -110,6 +111,10 @@ class _Route:
     max_bytes: int | None
 
 
+def _vacant(incoming) -> None:
+    raise HopUnavailable("this node is changing what it serves; try another peer")
+
+
 def expected_bytes(specs: Sequence[TensorSpec]) -> int | None:
     """What ``specs`` take on the wire at most (a bfloat16 tensor may travel as float32), or None when a dimension
     is open."""
@@ -137,6 +142,9 @@ class TensorServer:
         self.max_inflight = max_inflight
         self.inflight = 0
         self._routes: dict[str, _Route] = {}
+        # names registered with p2pd: a name stays registered while its route changes (a stage that moves serves
+        # its new stage under the same names; p2pd did not always take a name back once removed, measured)
+        self._registered: set[str] = set()
 
     async def add_handler(
         self,
@@ -158,23 +166,34 @@ class TensorServer:
         tensors."""
         if max_bytes is None and expect is not None and not callable(expect):
             max_bytes = expected_bytes(expect)
-        route = _Route(name, handler, request_model, admit, authorize, expect, require_finite, max_bytes)
-        self._routes[name] = route
+        self._routes[name] = _Route(name, handler, request_model, admit, authorize, expect, require_finite, max_bytes)
+        if name in self._registered:
+            return
 
         async def serve_unary(request: ExpertRequest, context: P2PContext) -> ExpertResponse:
-            return await self._serve_unary(route, request, context)
+            return await self._serve_unary(self._route(name), request, context)
 
         async def serve_stream(stream_info: StreamInfo, reader: asyncio.StreamReader, writer) -> None:
-            await self._serve_stream(route, stream_info, reader, writer)
+            await self._serve_stream(self._route(name), stream_info, reader, writer)
 
         await self.p2p.add_protobuf_handler(name, serve_unary, ExpertRequest)
         await self.p2p.add_binary_stream_handler(name + STREAM_SUFFIX, serve_stream)
+        self._registered.add(name)
 
-    async def remove_handlers(self) -> None:
-        for name in list(self._routes):
+    def _route(self, name: str) -> _Route:
+        route = self._routes.get(name)
+        return route if route is not None else _Route(name, _vacant, RequestMetadata, None, None, None, True, None)
+
+    async def remove_handlers(self, unregister: bool = True) -> None:
+        """Stops serving every handler; ``unregister=False`` keeps the names registered with p2pd (callers are told
+        the handler is unavailable) for a node that serves them again in a moment."""
+        self._routes.clear()
+        if not unregister:
+            return
+        for name in list(self._registered):
             await self.p2p.remove_protobuf_handler(name)
             await self.p2p.remove_binary_stream_handler(name + STREAM_SUFFIX)
-            del self._routes[name]
+            self._registered.discard(name)
 
     @property
     def max_message_bytes(self) -> int:
