@@ -182,25 +182,19 @@ def run_stage(
             settings.attack.build(config, settings.stage, config.swarm.seed)
     except (DeviceError, AttackError) as e:
         raise NodeError(str(e)) from None
-    with started_node(options, stop_event) as context:
-        choice = _choose(context) if settings.placed else StageChoice(settings.stage, "pinned by --stage")
-        # One event loop for every stage this node serves: p2pd ties a handler to the client connection that
-        # registered it, and a handler name registered from a loop that has ended is never free again in a new one
-        # (measured: re-adding it timed out, then "already registered")
-        asyncio.run(_serve_moving(context, settings, choice, on_ready))
-
-
-async def _serve_moving(
-    context: NodeContext, settings: StageOptions, choice: StageChoice, on_ready: Callable[[str, list[str]], None]
-) -> None:
-    """Serves ``choice``'s stage, then each stage the node moves to, until it is stopped."""
-    stage, why, reachability = choice.stage, choice.reason, None
+    choice, reachability = None, None
     while True:
-        logger.info(f"serving stage {stage}: {why}")
-        served = await _serve(context, settings, stage, on_ready, reachability)
-        if served.move is None or context.stop.event.is_set():
-            return
-        stage, why, reachability = served.move.target, served.move.reason, served.reachability
+        # Each stage is served by a DHT and p2pd of its own (the same identity): p2pd ties handler names to the
+        # client connection that registered them, and once a moved replica had removed its handlers, the new ones
+        # were never served (re-adding them hung, or the daemon answered "protocols not supported"; measured)
+        with started_node(options, stop_event) as context:
+            if choice is None:
+                choice = _choose(context) if settings.placed else StageChoice(settings.stage, "pinned by --stage")
+            logger.info(f"serving stage {choice.stage}: {choice.reason}")
+            served = asyncio.run(_serve(context, settings, choice.stage, on_ready, reachability))
+            if served.move is None or context.stop.event.is_set():
+                return
+        choice, reachability = StageChoice(served.move.target, served.move.reason), served.reachability
 
 
 def _choose(context: NodeContext) -> StageChoice:
