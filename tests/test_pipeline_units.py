@@ -200,3 +200,24 @@ def test_join_stage_needs_a_stage_of_the_config_and_a_valid_attack():
     assert result.exit_code == 1 and "--stage 9 is outside 0..3" in result.output
     result = CliRunner().invoke(main, ["join", "--role", "verifier", "--boundaries", "zero"])
     assert result.exit_code == 2 and "integers, e.g. --boundaries 0,1" in result.output
+
+
+def test_a_verifier_learns_a_stage_afresh_once_every_sender_it_learned_from_has_left():
+    """A stage whose last replica died is covered by a replica with fresh weights (roles/stage.py): its tensors are
+    honest but unlike the old baseline, which once banned it on its second tensor."""
+    import torch
+
+    from sentinel_node.pipeline import BoundaryVerifier
+
+    config = load_config()
+    shape = (config.pipeline.microbatch_size, config.pipeline.seq_len, config.model.hidden_size)
+    checker = BoundaryVerifier(config.verification, [0], config.model.hidden_size, shape, seed=0)
+    old = checker.monitors[(0, "activation")]
+    for _ in range(3):
+        checker.check(0, "activation", torch.randn(shape), "old-replica", tainted=False)
+    assert not checker.restart_if_replaced(0, "activation", {"old-replica", "newcomer"})  # one it knows is live
+    assert not checker.restart_if_replaced(0, "activation", set())  # nobody serves the stage yet: nothing to learn
+    assert checker.restart_if_replaced(0, "activation", {"newcomer"})
+    fresh = checker.monitors[(0, "activation")]
+    assert fresh is not old and fresh.warming_up and fresh.ledger is checker.ledger  # strikes and bans are kept
+    assert checker.monitors[(0, "gradient")] is not fresh and not checker.restart_if_replaced(0, "gradient", {"x"})

@@ -9,6 +9,9 @@ import torch
 from sentinel_node.config import VerificationConfig
 from sentinel_node.verification import BoundaryMonitor, SenderStrikes, Verdict, VerdictKind
 
+# senders remembered per monitor, to tell when every one of them has left
+MAX_SENDERS = 64
+
 
 class BoundaryVerifier:
     """Checks activations going forward and gradients coming back across the boundaries it serves.
@@ -38,8 +41,9 @@ class BoundaryVerifier:
             config.blatant_forgive_after,
             config.max_senders,
         )
-        self.monitors: dict[tuple[int, str], BoundaryMonitor] = {
-            (boundary, direction): BoundaryMonitor(
+
+        def monitor(direction: str) -> BoundaryMonitor:
+            return BoundaryMonitor(
                 config.monitor_settings(direction, seed),
                 hidden_size=hidden_size,
                 expected_shape=expected_shape,
@@ -47,9 +51,15 @@ class BoundaryVerifier:
                 ledger=self.ledger,
                 device=device,
             )
+
+        self._monitor = monitor
+        self.monitors: dict[tuple[int, str], BoundaryMonitor] = {
+            (boundary, direction): monitor(direction)
             for boundary in boundaries
             for direction in ("activation", "gradient")
         }
+        # the senders each monitor learned from lately (at most MAX_SENDERS, the latest kept)
+        self.senders: dict[tuple[int, str], dict[str, None]] = {key: {} for key in self.monitors}
 
     @property
     def boundaries(self) -> list[int]:
@@ -71,7 +81,25 @@ class BoundaryVerifier:
             raise KeyError(f"this verifier does not serve boundary {boundary} ({direction})")
         if not self.enabled:
             return Verdict(VerdictKind.SKIPPED, tensor)
+        seen = self.senders[(boundary, direction)]
+        seen.pop(sender, None)
+        seen[sender] = None
+        while len(seen) > MAX_SENDERS:
+            seen.pop(next(iter(seen)))
         return monitor.check(tensor, sender, tainted=tainted, content=content)
+
+    def restart_if_replaced(self, boundary: int, direction: str, live: set[str]) -> bool:
+        """Starts the monitor of (``boundary``, ``direction``) afresh (a new warm-up) when none of the senders it
+        learned from is among the ``live`` replicas of the sending stage and another is: the stage is served by a
+        replica that took over without its state (its last replica died, and one came to cover it with fresh
+        weights), whose tensors no baseline of the old ones describes. Strikes and bans are kept."""
+        key = (boundary, direction)
+        seen = self.senders.get(key)
+        if not seen or not live or set(seen) & live:
+            return False
+        self.monitors[key] = self._monitor(direction)
+        self.senders[key] = {}
+        return True
 
     def is_banned(self, sender: str) -> bool:
         return self.ledger.is_banned(sender)

@@ -252,6 +252,19 @@ class VerifierNode(Node):
         if self.checker.enabled:
             checks, cpu_s = await self.lane.run(self._benchmark)
             self.capacity.update(checks, interval=cpu_s)
+        self.views.listeners.append(self._restart_replaced)
+
+    def _restart_replaced(self, view) -> None:
+        """A stage whose every replica this verifier learned from has left, now served by another (a replica that
+        moved in with fresh weights), is learned anew: its tensors would otherwise be flagged as an attack."""
+        for boundary, direction in list(self.checker.monitors):
+            stage = boundary if direction == "activation" else boundary + 1
+            live = {a.peer_id for a in view.live_replicas(stage)}
+            if self.checker.restart_if_replaced(boundary, direction, live):
+                logger.info(
+                    f"boundary {boundary}|{boundary + 1} {direction}s: every replica of stage {stage} it learned from "
+                    "has left and another serves it; its baseline starts afresh"
+                )
 
     def _benchmark(self, checks: int = 8) -> tuple[int, float]:
         """(checks, CPU seconds) of checking random activations on a scratch verifier of the same config: what this
