@@ -416,3 +416,13 @@ def test_fuzzed_streams_and_calls_at_a_real_server():
     assert grew_kib < 64 * 1024, TALLY.figures["network edge"]
     TALLY.add("network edge", "server alive after")
     assert math.isfinite(grew_kib)
+
+
+@pytest.mark.parametrize("shape", [[0, 2**32 - 1, 2**32 - 1], [2**32 - 1, 0], [0, 2**31, 2**31, 2**31]])
+def test_an_empty_tensor_with_huge_dimensions_is_malformed(shape):
+    """Regression (found by make fuzz): a shape with a 0 declares 0 bytes, passed the size check, and torch then
+    raised RuntimeError (numel: integer multiplication overflow) out of the codec: an internal error, not a clear
+    one."""
+    proto = WireTensor(dtype="float32", size=shape, buffer=b"")
+    with pytest.raises(MalformedMessageError, match="dimension"):
+        deserialize_tensors([proto], LIMITS)
