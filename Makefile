@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test test-suite test-image image-smoke image-cuda test-quick lint format bench clean
+.PHONY: install demo test test-suite test-image image-smoke image-cuda test-quick fuzz lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,12 @@ image-cuda:
 
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m "not slow"
+
+# The fuzz tests at volume: 10,000 derandomized examples per record type and per wire target (tests/fuzzing.py;
+# make test runs the same tests with a few hundred). Outcomes go to runs/fuzz/*.json; docs/reliability.md has them.
+fuzz: $(STAMP)
+	SENTINEL_FUZZ=volume SENTINEL_FUZZ_REPORT=runs/fuzz nice -n 10 $(BIN)/python -m pytest -q -ra -p no:cacheprovider \
+		--timeout 7200 tests/test_fuzz_records.py tests/test_fuzz_wire.py
 
 bench: $(STAMP)
 	$(BIN)/sentinel-node bench detection --out runs/bench

@@ -243,6 +243,21 @@ def record_bytes(value: object) -> int:
     return len(MSGPackSerializer.dumps(value)) + SIGNATURE_BYTES
 
 
+class SignatureValidator(RSASignatureValidator):
+    """hivemind's signature validator, refusing instead of raising on an owner tag that holds no RSA key.
+
+    hivemind's ``validate`` parses the key inside ``[owner:...]`` with ``load_ssh_public_key``, which raises on
+    garbage (found by fuzzing, tests/test_fuzz_records.py): the exception escaped ``rpc_store``, so the node
+    answered a failed call instead of a refusal, and a reply holding such an entry failed the whole lookup."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            return super().validate(record)
+        except Exception as e:  # cryptography raises ValueError, UnsupportedAlgorithm, binascii.Error, ...
+            logger.debug(f"refused a record whose owner tag holds no RSA key: {type(e).__name__}")
+            return False
+
+
 def swarm_validators(rules: SwarmRules | None, identity: Identity) -> list[RecordValidatorBase]:
     """The validators to pass to ``hivemind.DHT(record_validators=...)`` on every node of the swarm.
 
@@ -250,5 +265,5 @@ def swarm_validators(rules: SwarmRules | None, identity: Identity) -> list[Recor
     config): signatures only. It stores nothing for others, and every record it reads is checked again by
     :class:`~dht.RecordStore`."""
     if rules is None:
-        return [RSASignatureValidator(identity.private_key)]
-    return [RSASignatureValidator(identity.private_key), SwarmRecordValidator(rules)]
+        return [SignatureValidator(identity.private_key)]
+    return [SignatureValidator(identity.private_key), SwarmRecordValidator(rules)]

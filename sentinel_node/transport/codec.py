@@ -143,6 +143,12 @@ def check_header(index: int, proto: WireTensor, limits: TensorLimits) -> int:
     shape = tuple(proto.size)
     if len(shape) > limits.max_ndim:
         raise MalformedTensorError(f"tensor {index}: {len(shape)} dimensions, over the limit of {limits.max_ndim}")
+    # Every dimension must fit the limit on its own: an empty tensor (a 0 in its shape) declares 0 bytes whatever its
+    # other dimensions, and torch refuses shapes whose product overflows 64 bits (RuntimeError; found by fuzzing).
+    if shape and max(shape) * ALLOWED_DTYPES[dtype] > limits.max_tensor_bytes:
+        raise MalformedTensorError(
+            f"tensor {index}: dimension {max(shape)} of shape {shape} is over the {limits.max_tensor_mib:g} MiB limit"
+        )
     declared = math.prod(shape) * ALLOWED_DTYPES[dtype]
     if declared > limits.max_tensor_bytes:
         raise MalformedTensorError(
