@@ -87,7 +87,7 @@ def swarm(tmp_path_factory) -> Iterator[AuditedSwarm]:
         running = AuditedSwarm(config, local)
         inverter = running.peer(INVERTER)
         names = [n for n in (*HONEST_STAGES, LIAR, *VERIFIERS) if local.nodes[n].alive]
-        deadline = time.monotonic() + 60  # every node's view catches up with the published bans
+        deadline = time.monotonic() + 180  # every node's view catches up with the published bans (a loaded machine)
         while True:
             running.views = {name: getattr(running.status(name), "excluded", None) or [] for name in names}
             if all(inverter in view for view in running.views.values()) or time.monotonic() > deadline:

@@ -81,7 +81,7 @@ SCRAPE_AT = (3, 16)  # Prometheus scrapes of live nodes while they train (and on
 SCRAPED = ("bootstrap", "stage1-0", "verifier0", "trainer")
 CHECK_AT = 2  # `swarm status --check` of the healthy swarm, before anything is killed
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the module's swarm trains in its fixture
 
 
 @pytest.fixture(scope="module")
