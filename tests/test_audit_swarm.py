@@ -27,7 +27,7 @@ from sentinel_node.roles.status import StageStatus, VerifierStatus
 from sentinel_node.supervisor import LocalSwarm, follow_json_lines
 from sentinel_node.swarm_reader import SwarmReader
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # nine processes starting on two cores
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(900)]  # nine processes starting on two cores
 
 STEPS = 24
 ATTACK_START = 6

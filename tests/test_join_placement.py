@@ -27,7 +27,7 @@ from sentinel_node.config import load_config
 from sentinel_node.supervisor import CLI, LOOPBACK, LocalSwarm, follow_json_lines
 
 # a loaded 2-core machine takes minutes to start seven nodes (the suite's default is 300 s a test)
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(900)]
 
 STEPS = 14
 KILL_AT = 4

@@ -14,7 +14,7 @@ from sentinel_node.demo import Demo, DemoSettings
 
 STEPS = 90
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def test_a_long_clean_swarm_of_single_replicas_bans_no_honest_stage(tmp_path):
