@@ -31,7 +31,12 @@ def fuzz_settings(suite_examples: int, volume_examples: int = VOLUME_EXAMPLES) -
         derandomize=True,
         database=None,
         deadline=None,  # RSA signing and a loaded machine make per-example times vary; volume is what counts
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+            HealthCheck.filter_too_much,
+            HealthCheck.large_base_example,  # the network-edge tests draw all their cases in one example
+        ],
         print_blob=True,
     )
 

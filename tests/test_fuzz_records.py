@@ -20,6 +20,7 @@ end shows the same at the network edge, through a real DHT node.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import math
 import threading
@@ -146,6 +147,7 @@ class Case:
         signed_bytes = MSGPackSerializer.dumps(self.value)
         unsigned = DHTRecord(key, subkey, signed_bytes, self.expiration)
         signature = self.signer.private_key.sign(MSGPackSerializer.dumps(dataclasses.astuple(unsigned)))
+        self.real_signature = signature
         signature = b"[signature:" + signature + b"]" if self.signature is None else self.signature(signature)
         body = signed_bytes if self.value_bytes is None else self.value_bytes
         return DHTRecord(key, subkey, body + signature, self.expiration)
@@ -505,11 +507,23 @@ def checked_alone(key: str, subkey: object, value: object, expiration: float) ->
     return True
 
 
+def _same_signature(record: DHTRecord, real: bytes) -> bool:
+    sent = record.value.rsplit(b"[signature:", 1)[1][:-1]
+    try:
+        return base64.b64decode(sent) == base64.b64decode(real)
+    except ValueError:
+        return False
+
+
 def check(case: Case) -> str:
     """Runs the case through the validator chain and the typed read; returns its outcome (asserting the
     property)."""
     record = case.dht_record()
     accepted = VALIDATOR.validate(record)  # an exception here fails the test: it would escape on a real node
+    if accepted and case.category == "signature:bit-flipped" and _same_signature(record, case.real_signature):
+        # base64 is malleable: the last character's spare bits (and, decoding leniently, characters outside the
+        # alphabet) change the text, not the signature. The author's exact signature over its exact value: no forgery.
+        return "same signature, another base64 spelling"
     if accepted:
         stripped = MSGPackSerializer.loads(VALIDATOR.strip_value(record))
         read = typed_read(case.key, case.tag, stripped, case.expiration)
@@ -664,20 +678,35 @@ def test_fuzzed_records_through_a_real_dht_node(tmp_path):
                 sent.extend(data.draw(cases(kind)) for _ in range(8))
 
         draw_cases()
+        # hypothesis' smallest lifetimes are a second: give honest records time to be read back
+        sent = [
+            dataclasses.replace(c, expiration=get_dht_time() + RULES.ttl(c.kind) / 2) if c.honest else c for c in sent
+        ]
         garbage = dict(sent[0].value)
         sent.extend(  # owner tags without an RSA key once made the honest node fail the call instead of refusing
             dataclasses.replace(sent[0], value=garbage, tag=tag, signer=ATTACKER, category="owner:garbage-tag")
             for tag in GARBAGE_TAGS
         )
         # raw_store asks every peer the attacker knows: the honest node and the reader
-        answers = []
+        answers, times = [], []
         for case in sent:
+            times.append(get_dht_time())
             record = case.dht_record()
             subkey = MSGPackSerializer.loads(record.subkey)
             answers.append(raw_dht.raw_store(attacker, case.key, subkey, record.value, case.expiration))
-        for case, answer in zip(sent, answers, strict=True):
+        stored_until: dict[tuple[str, str], float] = {}
+        for case, answer, at in zip(sent, answers, times, strict=True):
             assert all(ok is not None for ok in answer), f"a node failed the call for {case.category}: {answer}"
-            assert any(answer) == case.honest, (case.category, answer)
+            if not case.honest:
+                assert not any(answer), (case.category, answer)
+                continue
+            # an honest record lands unless it expired on the way (a loaded machine) or one of the same author
+            # under the same key with a later expiration is already there (the DHT keeps the latest)
+            place = (case.key, case.value[RECORD_TYPES[case.kind].author_field])
+            if case.expiration > at + 1.0 and case.expiration > stored_until.get(place, -math.inf):
+                assert any(answer), (case.category, answer)
+            if any(answer):
+                stored_until[place] = max(case.expiration, stored_until.get(place, -math.inf))
 
         store = RecordStore(reader_node, RULES, timeout=10.0)
         found = store.fetch(sorted({case.key for case in sent}))
@@ -692,6 +721,7 @@ def test_fuzzed_records_through_a_real_dht_node(tmp_path):
         # every record shown is the honest one its author signed last (the DHT keeps the latest expiration)
         for place, value in shown.items():
             assert place in latest and _as_signed(value, latest[place].value) == latest[place].value, place
+        assert set(shown) == set(latest), "an honest record stored was not read back"
         assert honest_id.peer_id  # the honest node served throughout
         TALLY.figures["network edge"] = {"stored": len(sent), "honest": len(latest), "shown": len(shown)}
     finally:
