@@ -17,6 +17,7 @@ import math
 import os
 import re
 import shutil
+import subprocess
 import threading
 import time
 import urllib.request
@@ -24,7 +25,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from click.testing import CliRunner
 from hivemind.proto.runtime_pb2 import ExpertRequest, ExpertResponse
 from hivemind.proto.runtime_pb2 import Tensor as WireTensor
 from hivemind.utils import get_dht_time
@@ -44,7 +44,6 @@ from dht import (
     ephemeral_identity,
     load_identity_file,
 )
-from sentinel_node.cli import main
 from sentinel_node.demo import Demo, DemoSettings
 from sentinel_node.roles.common import record_store, start_dht, stop_dht
 from sentinel_node.roles.metrics import METRICS
@@ -58,6 +57,7 @@ from sentinel_node.roles.wire import (
     StepRequest,
     transport_settings,
 )
+from sentinel_node.supervisor import CLI
 from sentinel_node.transport import (
     Hop,
     HopBanned,
@@ -105,11 +105,23 @@ def demo(tmp_path_factory) -> Iterator[Demo]:
 
         def chaos(record: dict) -> None:
             if record["step"] == CHECK_AT:  # every stage has two replicas, every boundary two verifiers
-                check = CliRunner().invoke(
-                    main,
-                    ["swarm", "status", "--check", "--timeout", "60", "--initial-peers", *running.swarm.initial_peers],
+                # a process of its own, not awaited here: the scrapes below must happen at their steps
+                running.healthy_check = subprocess.Popen(
+                    [
+                        *CLI,
+                        "swarm",
+                        "status",
+                        "--check",
+                        "--timeout",
+                        "60",
+                        "--initial-peers",
+                        *running.swarm.initial_peers,
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
                 )
-                running.healthy_check = (check.exit_code, check.output[-2000:])
             if record["step"] in SCRAPE_AT:
                 running.scrapes[record["step"]] = {name: scrape(running.node(name)) for name in SCRAPED}
             if record["step"] == KILL_STAGE_AT:
@@ -530,7 +542,9 @@ def test_the_next_trainer_carries_the_count_on_and_every_replica_applies_it(demo
 
 
 def test_status_check_of_a_healthy_swarm_exits_zero(demo):
-    code, output = demo.healthy_check
+    check = demo.healthy_check
+    output, _ = check.communicate(timeout=180)
+    code, output = check.returncode, output[-2000:]
     assert code == 0, output
     assert "health: healthy" in output
 
