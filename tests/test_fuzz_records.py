@@ -566,7 +566,7 @@ def _run(kind: str, case: Case) -> None:
 def test_fuzzed_records_of_every_type(kind):
     """Honest records of ``kind`` land and read back as signed; forgeries never land nor read; nothing raises."""
 
-    @fuzz_settings(80)
+    @fuzz_settings(50)
     @given(case=cases(kind))
     def run(case: Case) -> None:
         _run(kind, case)
@@ -605,7 +605,7 @@ averager_keys = [KEYS.averager_group(k) for k in range(N_STAGES)] + [KEYS.averag
 fixed_keys = [KEYS.stage(0), KEYS.verifiers, KEYS.trainers, KEYS.bootstraps, KEYS.strikes(VICTIM.peer_id)]
 
 
-@fuzz_settings(200)
+@fuzz_settings(150)
 @given(
     key=st.sampled_from(averager_keys + fixed_keys).map(key_id) | st.binary(min_size=20, max_size=20),
     subkey=st.one_of(

@@ -151,7 +151,7 @@ def _outcome(target: str, run) -> object:
     return result
 
 
-@fuzz_settings(150)
+@fuzz_settings(100)
 @given(honest=honest_tensors())
 def test_honest_messages_decode_to_their_tensors(honest):
     tensors, codec = honest
@@ -246,7 +246,7 @@ def corrupted_stream(draw, kinds: tuple[str, ...] = tuple(CORRUPTIONS)) -> tuple
     return how, stream
 
 
-@fuzz_settings(250)
+@fuzz_settings(200)
 @given(case=corrupted_stream(), expecting=st.booleans())
 def test_corrupted_streams_get_a_clear_error_and_nothing_else(case, expecting):
     """Any corruption of an honest stream: decoded (a harmless flip), or a MalformedMessageError; never another
@@ -269,7 +269,7 @@ wire_tensor = st.builds(
 )
 
 
-@fuzz_settings(200)
+@fuzz_settings(150)
 @given(parts=st.lists(wire_tensor, max_size=8), expected=big, expecting=st.booleans())
 def test_tensor_headers_from_nowhere_never_crash_the_codec(parts, expected, expecting):
     """Parts with any header at all (dtype, compression, shape up to 2**63 per dimension and overflowing in
@@ -279,7 +279,7 @@ def test_tensor_headers_from_nowhere_never_crash_the_codec(parts, expected, expe
     _outcome("tensor headers", lambda: decode_parts(parts, expected, max_bytes))
 
 
-@fuzz_settings(300)
+@fuzz_settings(200)
 @given(
     raw=st.binary(max_size=300)
     | st.recursive(
@@ -371,7 +371,7 @@ def test_fuzzed_streams_and_calls_at_a_real_server():
     sent = {"streams": 0, "unary calls": 0}
     lost: list[str] = []
 
-    @fuzz_settings(20, 2000)  # half streams, half unary calls
+    @fuzz_settings(12, 2000)  # streams and unary calls (about 5 to 1 in make fuzz)
     @given(case=network_case() | st.binary(max_size=400).map(lambda raw: ("unary", raw)))
     def run(case) -> None:
         how, data = case
@@ -387,7 +387,7 @@ def test_fuzzed_streams_and_calls_at_a_real_server():
         # a coded error naming the problem, or an answer (a corruption that left a valid request); a stream is
         # closed unanswered when its first message is an end-of-stream marker, and (rarely, under load, and not
         # when the same bytes are sent again) when the answer is lost as the server closes: counted, bounded below
-        assert code in ("malformed", "answered", "closed"), (how, answer)
+        assert code in ("malformed", "deadline", "answered", "closed"), (how, answer)  # deadline: one in the past
         if code == "closed" and how != "marker":
             lost.append(how)
 
