@@ -35,6 +35,7 @@ from sentinel_node.verification import (
     RecentSenders,
     ReplaySketcher,
     SenderStrikes,
+    SharedShift,
     VerdictKind,
     median_profile,
 )
@@ -585,6 +586,62 @@ def test_a_shift_of_every_sender_is_followed_and_strikes_no_one(streams):
     assert len(late) > 100
     assert sum(v.flagged for v in late) <= 2, [v.reason for v in late if v.flagged]
     assert not monitor.ledger.banned()
+
+
+def test_fences_crossed_in_turn_by_every_sender_strike_no_one(streams):
+    """The spread of the whole boundary growing faster than the fences follow (measured late in the quick profile:
+    every replica of a stage crossed the spectral fence in turn, and one was banned): here every sender's tensors
+    get a random scale, exp(0.6 z), from the end of warm-up. Without the exemption this stream bans all four
+    senders; most senders crossing the same fence lately is a shift, not evidence, and no one gets a second
+    strike."""
+    monitor = BoundaryMonitor(settings("activation"), HIDDEN, expected_shape=SHAPE)
+    stream = streams.activations
+    for i, tensor in enumerate(stream[:WARMUP]):
+        monitor.check(tensor, SENDERS[i % 4])
+    rng = torch.Generator().manual_seed(7)
+    verdicts = []
+    for i, tensor in enumerate(stream[WARMUP:]):
+        factor = float(torch.exp(0.6 * torch.randn((), generator=rng)))
+        verdicts.append(monitor.check(tensor * factor, SENDERS[i % 4]))
+    assert sum(bool(v.over) for v in verdicts) >= 5, "the spread should cross the fences of several senders"
+    assert sum(v.shared for v in verdicts) >= 3
+    assert max(monitor.ledger.peek(s).strikes for s in SENDERS) <= 1
+    assert not monitor.ledger.banned(), [v.reason for v in verdicts if v.flagged]
+
+
+def test_a_shared_crossing_needs_half_of_the_other_senders():
+    shift = SharedShift(window=16)
+    for sender in "abcd":
+        assert not shift.observe(sender, ())
+    assert not shift.observe("d", ("l2",)), "the first crossing is nobody else's"
+    assert not shift.observe("a", ("norm",)), "d crossed another fence"
+    assert not shift.observe("a", ("l2",)), "one of a's three peers crossed l2: not half"
+    assert shift.observe("b", ("l2", "norm")), "two of b's three peers (a, d) crossed l2"
+
+
+def test_a_banned_senders_crossings_excuse_nobody():
+    def with_attacker(forget: bool) -> bool:
+        shift = SharedShift(window=16)
+        shift.observe("h2", ())
+        shift.observe("a", ("l1",))
+        if forget:
+            shift.forget("a")
+        return shift.observe("h1", ("l1",))
+
+    assert with_attacker(forget=False), "one of two peers crossed: half"
+    assert not with_attacker(forget=True)
+
+
+def test_colluders_that_are_a_minority_of_the_peers_excuse_nobody():
+    shift = SharedShift(window=64)
+    for sender in ("x", "y", "h1", "h2", "h3"):
+        shift.observe(sender, ())
+    excused = []
+    for _ in range(20):
+        for sender in ("x", "y", "h1", "h2", "h3"):
+            excused.append(shift.observe(sender, ("l1",) if sender in "xy" else ()))
+    assert not any(excused)
+    assert not SharedShift(window=8).observe("alone", ("l1",)), "no peers: no exemption"
 
 
 # --- evidence against peers ----------------------------------------------------------------------------------------

@@ -19,9 +19,9 @@ The steps, in the paper's order: :mod:`profile` (reduce a tensor to token-indepe
 :mod:`reference` (the senders' median, which a minority cannot walk), :mod:`baseline` (EMA of accepted profiles,
 the clean replacement, and the reference of a boundary with fewer than three senders), :mod:`metrics` (distances),
 :mod:`thresholds` (Tukey fence over a window of accepted scores), :mod:`peers` (evidence accumulated per sender
-against its peers), :mod:`replay` (sketches that find near-copies), :mod:`strikes` (violation counter with
-forgiveness, weighted by the evidence), :mod:`senders` (per-sender state with a bound), :mod:`monitor` (all of it
-for one boundary and direction).
+against its peers), :mod:`replay` (sketches that find near-copies), :mod:`shift` (a fence crossed by most senders
+is the boundary moving), :mod:`strikes` (violation counter with forgiveness, weighted by the evidence),
+:mod:`senders` (per-sender state with a bound), :mod:`monitor` (all of it for one boundary and direction).
 """
 
 from sentinel_node.verification.baseline import EmaBaseline
@@ -32,6 +32,7 @@ from sentinel_node.verification.profile import Profile, Profiler
 from sentinel_node.verification.reference import PeerReference, median_profile
 from sentinel_node.verification.replay import ReplayMatch, ReplaySketcher, ReplayStore, content_of
 from sentinel_node.verification.senders import RecentSenders
+from sentinel_node.verification.shift import SharedShift
 from sentinel_node.verification.strikes import SenderRecord, SenderStrikes
 from sentinel_node.verification.thresholds import AdaptiveThreshold
 
@@ -53,6 +54,7 @@ __all__ = [
     "ReplayStore",
     "SenderRecord",
     "SenderStrikes",
+    "SharedShift",
     "Verdict",
     "VerdictKind",
     "content_of",

@@ -8,6 +8,9 @@ Three tests, each for what the others miss:
   consistent, inside every fence;
 - near-copies of recent tensors of other content (:mod:`replay`): free-riders.
 
+A fence crossed, not blatantly, while most of the other senders crossed it too is the boundary moving (:mod:`shift`):
+accepted, and learned from.
+
 Strikes are weighted by the evidence (:mod:`strikes`).
 """
 
@@ -24,6 +27,7 @@ from sentinel_node.verification.peers import PeerAlarm, PeerEvidence
 from sentinel_node.verification.profile import Profile, Profiler, Scan
 from sentinel_node.verification.reference import PeerReference
 from sentinel_node.verification.replay import ReplayMatch, ReplaySketcher, ReplayStore
+from sentinel_node.verification.shift import SharedShift
 from sentinel_node.verification.strikes import SenderRecord, SenderStrikes
 from sentinel_node.verification.thresholds import AdaptiveThreshold
 
@@ -83,8 +87,9 @@ class Verdict:
     """What a check decided. `tensor` is what to pass on: the input, or a replacement; None means drop it.
 
     `kind` is the decision; `struck` whether the sender got a strike for it; `blatant` whether the flag weighed
-    double (far over a threshold, or a copy); `over` the metrics over their thresholds (kind METRIC) or the one
-    whose evidence crossed (kind PEER); `replay` what the tensor copies (kind REPLAY); `problem` what is wrong
+    double (far over a threshold, or a copy); `over` the metrics over their thresholds (kind METRIC, or an ACCEPTED
+    tensor whose crossing was `shared` by most other senders) or the one whose evidence crossed (kind PEER);
+    `replay` what the tensor copies (kind REPLAY); `problem` what is wrong
     with a malformed tensor (also set on a SKIPPED verdict whose tensor was malformed and replaced). `severity` is
     the largest metric's place between its window's median (0) and its threshold (1). `reason` is for display.
     """
@@ -98,6 +103,7 @@ class Verdict:
     replay: ReplayMatch | None = None
     peer: PeerAlarm | None = None
     severity: float = 0.0
+    shared: bool = False
     scores: dict[str, float] = field(default_factory=dict)
     thresholds: dict[str, float] = field(default_factory=dict)
     warming_up: bool = False
@@ -183,6 +189,7 @@ class BoundaryMonitor:
         self.peers = PeerEvidence(
             tuple(METRICS), settings.peer_pool, settings.peer_kappa, settings.peer_limit, settings.max_senders
         )
+        self.shift = SharedShift(settings.peer_pool)
         self.sketcher = ReplaySketcher(hidden_size, settings.replay_width, settings.seed)
         self.replays = ReplayStore(settings.replay_keep, settings.replay_similarity)
         self.ledger = (
@@ -230,17 +237,20 @@ class BoundaryMonitor:
         severity = max(self.thresholds[name].severity(scores[name]) for name in METRICS)
         alarm = self.peers.observe(sender, scores)
         evidence = dict(scores=scores, limits=limits, severity=severity)
+        over = () if self.warming_up else tuple(name for name in METRICS if scores[name] > limits[name])
+        blatant = severity >= self.settings.blatant_severity
+        shared = self.shift.observe(sender, over, blatant=blatant or copied is not None)
         if copied is not None:
             return self._flag(tensor, sender, VerdictKind.REPLAY, blatant=True, replay=copied, **evidence)
-        over = () if self.warming_up else tuple(name for name in METRICS if scores[name] > limits[name])
-        if over:
-            blatant = severity >= self.settings.blatant_severity
+        if over and (blatant or not shared):
             return self._flag(tensor, sender, VerdictKind.METRIC, over=over, blatant=blatant, **evidence)
         if alarm is not None:
             return self._flag(tensor, sender, VerdictKind.PEER, over=(alarm.metric,), peer=alarm, **evidence)
         warming_up = self.warming_up
         self._accept(profile, scores)
-        return self._accepted(tensor, sender, scores, limits, severity, warming_up)
+        verdict = self._accepted(tensor, sender, scores, limits, severity, warming_up)
+        verdict.over, verdict.shared = over, bool(over)
+        return verdict
 
     def _replayed(self, tensor: torch.Tensor, sender: str, content: int | None) -> ReplayMatch | None:
         if not self.replays.enabled:
@@ -301,6 +311,7 @@ class BoundaryMonitor:
         if record.banned:
             self.peer_reference.forget(sender)
             self.peers.forget(sender)
+            self.shift.forget(sender)
         return Verdict(
             kind,
             self._replace(tensor),
