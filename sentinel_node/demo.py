@@ -14,9 +14,12 @@ Both verifiers still serve every boundary, so losing one does not stop the pipel
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,7 +116,8 @@ class Demo:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.stop()
+        with _signals_ignored():  # a second Ctrl-C must not cut the stop short and orphan the nodes
+            self.stop()
 
     def stop(self) -> None:
         if self.swarm is not None:
@@ -360,9 +364,41 @@ class Demo:
         )
 
 
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """While entered (in the main thread), SIGTERM raises KeyboardInterrupt like Ctrl-C: the demo then stops every
+    process it started on its way out, where the default action would end it at once and orphan them all."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_demo(settings: DemoSettings = DemoSettings(), echo: Callable[[str], None] = lambda _: None) -> DemoResult:
-    """Starts the demo swarm, trains with a live view through ``echo``, and stops every process it started."""
-    with Demo(settings, echo) as demo:
+    """Starts the demo swarm, trains with a live view through ``echo``, and stops every process it started, also
+    when interrupted (Ctrl-C or SIGTERM: KeyboardInterrupt is raised once they are stopped)."""
+    with sigterm_interrupts(), Demo(settings, echo) as demo:
         demo.start()
         demo.train()
         summary = demo.summary()

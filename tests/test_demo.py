@@ -6,7 +6,13 @@ here the command is run with the swarm replaced by a canned result, and the loca
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,3 +105,58 @@ def test_local_swarm_stops_every_process_it_started(tmp_path: Path):
         swarm.stop(grace=15)
         assert swarm.leftovers() == {}
         assert node.process.returncode == 0  # SIGTERM was enough: it shut its DHT down itself
+
+
+# the demo command with its swarm cut down to one real bootstrap, and training replaced by waiting to be stopped
+ONE_NODE_DEMO = """
+import sys, time
+from sentinel_node import demo
+from sentinel_node.cli import main
+from sentinel_node.supervisor import LocalSwarm
+
+def start(self):
+    self.swarm = LocalSwarm(self.workdir, demo.DEMO_CONFIG_PATH)
+    node = self.swarm.start("bootstrap", "bootstrap")
+    self.swarm.wait_ready([node], timeout=90)
+    print("pid", node.process.pid, flush=True)
+
+def train(self, *args, **kwargs):
+    time.sleep(600)
+
+demo.Demo.start, demo.Demo.train = start, train
+sys.argv = ["sentinel-node", "demo", "--workdir", sys.argv[1]]
+main()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stopped_demo_stops_its_nodes_without_a_traceback(tmp_path: Path, signum):
+    """SIGTERM used to end the demo at once and orphan every node and p2pd it had started."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", ONE_NODE_DEMO, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    node_pid = None
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("pid "), line + process.stderr.read()
+        node_pid = int(line.split()[1])
+        process.send_signal(signum)
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode == 130, stderr
+        assert "Traceback" not in stderr, stderr
+        assert "every process it started has been stopped" in stderr
+        time.sleep(1)  # the node's own children (its DHT process, p2pd) end with it
+        with pytest.raises(ProcessLookupError):
+            os.kill(node_pid, 0)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        if node_pid is not None:  # a failed run must not leave the node behind: it has a process group of its own
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node_pid, signal.SIGKILL)

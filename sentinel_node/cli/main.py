@@ -64,6 +64,9 @@ def demo(steps: int, attack: str, attack_start: int, config_path: str | None, wo
         result = run_demo(settings, echo=(lambda _: None) if as_json else click.echo)
     except SwarmStartError as e:
         raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        click.echo("demo interrupted: every process it started has been stopped", err=True)
+        raise SystemExit(130) from None
     if as_json:
         click.echo(result.summary.model_dump_json())
     else:
