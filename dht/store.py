@@ -25,6 +25,7 @@ from hivemind.utils import get_dht_time, get_logger
 
 from dht.identity import Identity
 from dht.keys import CONFIG_KEY, SwarmKeys
+from dht.once import OncePer
 from dht.records import (
     BootstrapAnnouncement,
     StageAnnouncement,
@@ -82,8 +83,7 @@ class RecordStore:
         self.dht, self.rules, self.identity, self.timeout = dht, rules, identity, timeout
         # DHT calls write to one pipe; threads (an announcer, a watcher) must not interleave their messages.
         self._send_lock = threading.Lock()
-        self._warned_authors: set[object] = set()
-        self._warn_lock = threading.Lock()
+        self._warned_authors = OncePer(256)
 
     @property
     def keys(self) -> SwarmKeys:
@@ -206,10 +206,8 @@ class RecordStore:
         return records
 
     def _warn_foreign_config(self, subkey: object, config_hash: str) -> None:
-        with self._warn_lock:
-            if subkey in self._warned_authors or len(self._warned_authors) > 256:
-                return
-            self._warned_authors.add(subkey)
+        if not self._warned_authors.first(subkey):
+            return
         logger.warning(
             f"ignoring records of a peer of config {config_hash[:40]}, this node runs {self.config_hash} (that peer "
             "uses another swarm config; both must use the same file)"

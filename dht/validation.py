@@ -19,7 +19,6 @@ Every node must run the same validator over the same config: a node lacking the 
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 from hivemind.dht.crypto import RSASignatureValidator
@@ -30,6 +29,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time, get_logger
 
 from dht.admission import admission_problem
 from dht.identity import Identity, IdentityError, peer_id_from_public_key, public_key_from_owner_tag
+from dht.once import OncePer
 from dht.records import (
     StageAnnouncement,
     StrikeRecord,
@@ -188,8 +188,7 @@ class SwarmRecordValidator(RecordValidatorBase):
     def __init__(self, rules: SwarmRules):
         self.rules = rules
         self._namespace = Namespace(rules)
-        self._warned: set[str] = set()
-        self._lock = threading.Lock()
+        self._warned = OncePer(64)
 
     def validate(self, record: DHTRecord) -> bool:
         if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
@@ -219,10 +218,8 @@ class SwarmRecordValidator(RecordValidatorBase):
         return True
 
     def _warn_foreign(self, config_hash: str) -> None:
-        with self._lock:
-            if config_hash in self._warned or len(self._warned) > 64:
-                return
-            self._warned.add(config_hash)
+        if not self._warned.first(config_hash):
+            return
         logger.warning(
             f"refusing records of swarm config {config_hash[:40]}: this node runs {self.rules.config_hash} (a peer "
             "uses another swarm config file under the same prefix; every node of a swarm must use the same file)"

@@ -23,7 +23,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import math
-import threading
 import time
 from collections.abc import Callable
 
@@ -53,6 +52,7 @@ from dht import (
     key_id,
     swarm_validators,
 )
+from dht.once import OncePer
 from dht.records import MAX_COUNT, RECORD_TYPES
 
 PREFIX, CONFIG_HASH, N_STAGES = "fuzz", "c0ffee", 4
@@ -112,8 +112,7 @@ def chain() -> CompositeValidator:
 
 VALIDATOR = chain()
 READER = RecordStore.__new__(RecordStore)  # only the typed decoding is used: no DHT behind it
-READER.rules, READER._warned_authors = RULES, set()
-READER._warn_lock = threading.Lock()
+READER.rules, READER._warned_authors = RULES, OncePer(256)
 
 
 # --- honest records ---------------------------------------------------------------------------------------------
