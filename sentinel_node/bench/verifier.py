@@ -40,7 +40,7 @@ DIRECTIONS = ("activation", "gradient")
 LINKS_BITS_PER_S = {"100mbit": 100e6, "1gbit": 1e9}
 GOAL_SHARE_OF_1GBIT = 0.10  # a check takes at most this share of the tensor's transfer time at 1 Gbit/s
 GOAL_LINEARITY = 2.0  # the cost per MiB varies by at most this factor from the smallest shape to the largest
-REST = "metrics, verdict"  # what a check spends beyond its profile: distances, thresholds, drift, strikes
+REST = "metrics, verdict"  # what a check spends beyond its profile: the replay sketch, distances, thresholds, strikes
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,8 @@ STAGE_LEGEND = {
     "clip, quantiles": "row clipping corrected on the clipped rows, quantiles of the projections",
     "power iteration": "the range finder's power iterations (two products of the tensor each)",
     "range, energy": "the last product (B = Q^T W A, and the column sums) and B's top energies",
-    REST: "the distances to the baseline, thresholds, drift and shift tests, strikes, EMA update",
+    REST: "the replay sketch (two passes), the distances to the reference, thresholds, peer and shift tests, "
+    "strikes, EMA update",
 }
 
 
