@@ -140,3 +140,17 @@ def test_bench_detection_reports_one_attack_as_json_and_plots(tmp_path):
     # an honest replica of stage 2 used to be banned at step 89, on spectral flags its whole stage raised in turn
     assert not {key: row["honest_banned_ids"] for key, row in rows.items() if row["honest_banned"]}
     assert all(row["f1"] == 1.0 for row in rows.values())
+
+
+def test_bench_detection_honest_suite_reports_its_counts(tmp_path):
+    # this suite's report has no attacks: its table and file are its own (it used to crash looking for its plots)
+    out = tmp_path / "bench"
+    args = ["bench", "detection", "--suite", "honest", "--quick", "--steps", "3", "--out", str(out)]
+    result = CliRunner().invoke(main, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["steps"] == 3 and report["banned"] == [] and "peer_alarms" in report
+    assert json.loads((out / "honest.json").read_text())["steps"] == 3
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "clean run of 3 steps" in result.output and "honest.json in" in result.output

@@ -191,20 +191,24 @@ def detection(
             )
     except (AttackError, FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e)) from None
-    module = sweep if suite == "sweep" else catalogue
+    # per suite: the module that tables and plots its report, the report's file, and its rows (curves left out of
+    # the printed JSON; they are in the file)
+    module, name, rows = {
+        "sweep": (sweep, "sweep.json", "points"),
+        "honest": (honest, "honest.json", None),
+        "catalogue": (catalogue, "detection.json", "attacks"),
+    }[suite]
     out_dir = Path(out)
-    module.plot(report, out_dir)
-    name = f"{'sweep' if suite == 'sweep' else 'detection'}.json"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = module.plot(report, out_dir)
     (out_dir / name).write_text(json.dumps(report, indent=2))
-    rows = "points" if suite == "sweep" else "attacks"
-    printable = {
-        **report,
-        rows: [{k: v for k, v in r.items() if k not in ("curves", "timeline")} for r in report[rows]],
-    }
-    printable["clean"] = {k: v for k, v in report["clean"].items() if k != "curve"}
+    printable = dict(report)
+    if rows is not None:
+        printable[rows] = [{k: v for k, v in r.items() if k not in ("curves", "timeline")} for r in report[rows]]
+        printable["clean"] = {k: v for k, v in report["clean"].items() if k != "curve"}
     click.echo(json.dumps(printable, indent=2) if as_json else module.table(report))
     if not as_json:
-        click.echo(f"{'plots and ' if rows else ''}{name} in {out_dir}/")
+        click.echo(f"{'plots and ' if plots else ''}{name} in {out_dir}/")
 
 
 @bench.command()

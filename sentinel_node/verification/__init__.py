@@ -19,7 +19,7 @@ The steps, in the paper's order: :mod:`profile` (reduce a tensor to token-indepe
 :mod:`reference` (the senders' median, which a minority cannot walk), :mod:`baseline` (EMA of accepted profiles,
 the clean replacement, and the reference of a boundary with fewer than three senders), :mod:`metrics` (distances),
 :mod:`thresholds` (Tukey fence over a window of accepted scores), :mod:`peers` (evidence accumulated per sender
-against its peers), :mod:`replay` (sketches that find near-copies), :mod:`shift` (a fence crossed by most senders
+against its peers), :mod:`replay` (sketches that find near-copies), :mod:`shift` (a fence crossed by several senders
 is the boundary moving), :mod:`strikes` (violation counter with forgiveness, weighted by the evidence),
 :mod:`senders` (per-sender state with a bound), :mod:`monitor` (all of it for one boundary and direction).
 """

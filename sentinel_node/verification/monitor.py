@@ -8,8 +8,8 @@ Three tests, each for what the others miss:
   consistent, inside every fence;
 - near-copies of recent tensors of other content (:mod:`replay`): free-riders.
 
-A fence crossed, not blatantly, while most of the other senders crossed it too is the boundary moving (:mod:`shift`):
-accepted, and learned from.
+A fence crossed, not blatantly, while a quarter of the other senders crossed it too is the boundary moving
+(:mod:`shift`): accepted, and learned from.
 
 Strikes are weighted by the evidence (:mod:`strikes`).
 """
@@ -88,7 +88,7 @@ class Verdict:
 
     `kind` is the decision; `struck` whether the sender got a strike for it; `blatant` whether the flag weighed
     double (far over a threshold, or a copy); `over` the metrics over their thresholds (kind METRIC, or an ACCEPTED
-    tensor whose crossing was `shared` by most other senders) or the one whose evidence crossed (kind PEER);
+    tensor whose crossing was `shared` with other senders) or the one whose evidence crossed (kind PEER);
     `replay` what the tensor copies (kind REPLAY); `problem` what is wrong
     with a malformed tensor (also set on a SKIPPED verdict whose tensor was malformed and replaced). `severity` is
     the largest metric's place between its window's median (0) and its threshold (1). `reason` is for display.
