@@ -2,9 +2,9 @@
 
 Honest training has phases in which a statistic of the whole boundary moves faster than the thresholds' window
 follows. Measured twice: late in the quick profile the gradients' spectral concentration rose at every replica of a
-stage within a few steps, and each replica in turn crossed the spectral fence just over it; on the full profile, at
-the steps just before an averaging round (when replicas have drifted furthest apart), three of a stage's eight
-replicas crossed the `scale` and `wasserstein` fences within a few steps. The median reference follows such a shift
+stage within a few steps, and each replica in turn crossed the spectral fence just over it; on the full profile three
+of a stage's eight replicas crossed the `scale` and `wasserstein` fences within 13 steps, two of them just before an
+averaging round (when replicas have drifted furthest apart). The median reference follows such a shift
 within a dozen checks, but the fences learn only from accepted scores, so for a while honest tensors cross them one
 after the other: weighed as strikes, those crossings banned an honest replica in each case.
 
