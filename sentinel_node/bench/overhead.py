@@ -126,14 +126,14 @@ def _run_one(settings: OverheadSettings, wire_dtype: str, echo: Callable[[str], 
             "wire_dtype": wire_dtype,
         }
         (workdir / "identities").mkdir(exist_ok=True, mode=0o700)
-        # a closed swarm, as a real one: its two verifiers (one a plain relay, the bench's point of comparison) and
-        # its trainer are listed by peer id
+        # a closed swarm, as a real one: its three verifiers (checking, checking and auditing, and a plain relay, the
+        # bench's point of comparison) and its trainer are listed by peer id
         ids = {}
-        for name in ("checking", "relay", "trainer"):
+        for name in ("checking", "auditing", "relay", "trainer"):
             path = workdir / "identities" / f"{name}.key"
             ids[name] = (load_identity_file(path) if path.exists() else create_identity_file(path)).peer_id
         trust = {
-            "trusted_verifiers": [ids["checking"], ids["relay"]],
+            "trusted_verifiers": [ids["checking"], ids["auditing"], ids["relay"]],
             "trainers": [ids["trainer"]],
             "ban_quorum": 1,
             "open_trainers": False,
