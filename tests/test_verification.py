@@ -653,6 +653,9 @@ def test_colluders_excuse_each_other_a_few_times_per_window_at_most():
             excused[sender] += shift.observe(sender, ("l1",) if sender in "xy" else ())
     assert excused["x"] <= 3 and excused["y"] <= 3 and not excused["h1"] + excused["h2"] + excused["h3"]
     assert not SharedShift(window=8).observe("alone", ("l1",)), "no peers: no exemption"
+    pair = SharedShift(window=8)
+    pair.observe("honest", ("l1",))
+    assert not pair.observe("attacker", ("l1",)), "one peer: which of two moved? no exemption"
 
 
 # --- evidence against peers ----------------------------------------------------------------------------------------

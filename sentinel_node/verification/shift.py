@@ -20,8 +20,12 @@ its peers crossed the same fence lately, while an honest check outside a shift c
 thousand (12 flags in 8,678 checks in the full profile's clean run, 0 in 1,260 in the quick one). Colluders on one
 stage that are a quarter of its other replicas excuse each other, but only `repeats` times per window each, and their
 tensors still face the rank test against their peers, the blatant fence (blatant crossings neither excuse nor are
-excused: honest tensors never cross that far) and audits. A sender with no peers is never excused: a stage of one
-replica gets no exemption here (its verifier judges it against its own past alone).
+excused: honest tensors never cross that far) and audits. A sender with fewer than two peers is never excused: of
+two senders, nobody can tell which one moved, and an attacker excused by its one honest peer's crossing would be
+learned into the EMA baseline that such a boundary is judged against (seen with one peer allowed: in the loopback
+demo swarm of `tests/test_pipeline_swarm.py`, two replicas a stage, the honest replica left alone after its
+attacker's ban was banned on `spectral` gradient flags; the module had passed before). A stage of one or two
+replicas gets no exemption here, as before.
 
 Cost: `window` small tuples; a check is O(window).
 """
@@ -32,8 +36,8 @@ from collections import deque
 
 
 class SharedShift:
-    def __init__(self, window: int, share: float = 0.25, repeats: int = 3):
-        self.share, self.repeats = share, repeats
+    def __init__(self, window: int, share: float = 0.25, repeats: int = 3, min_peers: int = 2):
+        self.share, self.repeats, self.min_peers = share, repeats, min_peers
         self.recent: deque[tuple[str, frozenset[str]]] = deque(maxlen=max(window, 1))
 
     def observe(self, sender: str, over: tuple[str, ...], blatant: bool = False) -> bool:
@@ -50,7 +54,7 @@ class SharedShift:
             elif theirs & crossed:
                 mine += 1
         self.recent.append((sender, crossed))
-        if not crossed or not others or mine >= self.repeats:
+        if not crossed or len(others) < self.min_peers or mine >= self.repeats:
             return False
         sharing = sum(others.values())
         return sharing >= 1 and sharing >= self.share * len(others)
