@@ -479,6 +479,7 @@ class VerifierNode(Node):
         if verdict.flagged:
             logger.info(
                 f"flagged {direction} from {sender} at boundary {boundary}|{boundary + 1}: {verdict.reason}"
+                + (f" [{verdict.evidence}]" if verdict.evidence else "")
                 + (f" (strikes {verdict.sender.strikes}, banned)" if verdict.banned else "")
             )
         if verdict.sender is not None:

@@ -58,10 +58,13 @@ def sliced_wasserstein(profile: Profile, reference: Profile) -> float:
 def spectral_shift(profile: Profile, reference: Profile) -> float:
     """Relative loss of the share of energy in the top singular values: noise and random signs flatten spectra.
 
-    One-sided: honest tensors often concentrate more (a few tokens dominate), attacks that destroy structure
-    never do.
+    Signed: a tensor that concentrates more than the reference (honest tensors often do: a few tokens dominate)
+    scores below zero, and attacks that destroy structure never do. Only the high side is ever over the fence (its
+    floor is positive), but the low side stays in the fence's window: clamped at zero, the many honest rises made
+    the window mostly zeros, its quartiles zero, and the fence fell onto its floor, where honest noise crossed it
+    (a stage of one replica was banned within ten steps; docs/decisions.md).
     """
-    drop = (reference.spectral_share - profile.spectral_share).clamp_min(0)
+    drop = reference.spectral_share - profile.spectral_share
     return float(drop / (reference.spectral_share + _EPS))
 
 

@@ -142,6 +142,15 @@ class Verdict:
             return f"replay: a near-copy ({self.replay.similarity:.2f}) of a tensor {self.replay.age} checks ago"
         return self.problem
 
+    @property
+    def evidence(self) -> str:
+        """The scores over their thresholds, for logs: "spectral 0.121 > 0.085" (empty when none was)."""
+        return ", ".join(
+            f"{name} {self.scores[name]:.3g} > {self.thresholds[name]:.3g}"
+            for name in self.over
+            if name in self.scores and name in self.thresholds
+        )
+
 
 class BoundaryMonitor:
     """Checks tensors crossing one boundary in one direction.

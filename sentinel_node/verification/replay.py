@@ -3,11 +3,12 @@
 Honest microbatches carry different text, so their tensors are unrelated row by row. Each checked tensor leaves a
 small sketch: per sequence, a signed sum over its tokens of the rows projected on `width` fixed random directions,
 after taking off what every sequence of the microbatch shares at a position (the channels' means, the first tokens'
-distinctive rows), giving each channel and each token the same weight, and leaving out the first tokens (sequences
-that open alike, as indented code does, have the same rows there). That is `batch x width` numbers, kept in
-float16 (8 x 32: 512 bytes). A sequence of a replayed tensor, exact or with a little noise, has nearly the same
-sketch as the one it copies (cosine ~1); two different sequences are nearly orthogonal (|cosine| of order
-1/sqrt(width)). A tensor all of whose sequences find a match (the lowest of their best cosines reaches
+distinctive rows), giving each channel and each token the same weight, leaving out the first tokens (sequences
+that open alike, as indented code does, have the same rows there), and taking off the few directions most of the
+tensor's rows share (a model early in training can point every row nearly one way). That is `batch x width`
+numbers, kept in float16 (8 x 32: 512 bytes). A sequence of a replayed tensor, exact or with a little noise, has
+nearly the same sketch as the one it copies (cosine ~1); two different sequences are nearly orthogonal (|cosine| of
+order 1/sqrt(width)). A tensor all of whose sequences find a match (the lowest of their best cosines reaches
 `threshold`) among the sketches of the last `keep` tensors is a near-copy; matching sequence by sequence finds a
 copy with its sequences shuffled too. Measured on the quick benchmark's honest traffic (width 16): the best such
 score against the last 256 tensors stayed at or below 0.6 for gradients and 0.77 for activations.
@@ -32,6 +33,15 @@ import torch
 
 _SALT = 0x5E7C4  # keeps these directions apart from the profile's, drawn from the same seed
 SKIPPED_TOKENS = 16
+# Early in training a model's rows can all point nearly one way (measured: `bench overhead`'s 12-layer byte model,
+# from about step 12 the top direction held 30/32 of the projected rows' energy), and per-sequence sketches of any
+# two such tensors then agree whatever their text: honest stage-0 activations scored 0.95-0.99 against tensors of
+# other tokens and both replicas of the stage were banned as replays. So a direction that holds most of the
+# projected rows' energy (of what the larger ones left; at most DOMINANT_DIRECTIONS of them) is taken off every
+# sketch: there, four went, and the same tensors' best scores fell to 0.50-0.67. Tensors without such a direction
+# (the honest test streams' largest holds 20-40%) lose nothing, so a copy with a little noise still matches it;
+# a copy has the same dominant directions as its original, so it matches itself exactly.
+DOMINANT_DIRECTIONS = 4
 _SLICE_FLOATS = 1 << 18  # 1 MiB of float32: a slice that stays in a core's cache
 
 
@@ -47,6 +57,17 @@ class ReplayMatch:
     sender: str
     age: int
     similarity: float
+
+
+def _dominant_directions(second_moment: torch.Tensor) -> torch.Tensor:
+    """The (width, d) axes, largest first, each holding more than half of the energy the larger ones left."""
+    energies, axes = torch.linalg.eigh(second_moment.cpu().double())
+    energies, axes = energies.flip(0).clamp_min(0), axes.flip(1)
+    left = energies.flip(0).cumsum(0).flip(0)  # left[i]: the energy of axes i and after
+    count = 0
+    while count < min(DOMINANT_DIRECTIONS, len(energies) - 1) and energies[count] > 0.5 * left[count]:
+        count += 1
+    return axes[:, :count].to(second_moment.dtype)
 
 
 class ReplaySketcher:
@@ -90,11 +111,21 @@ class ReplaySketcher:
         inverse_spread = (squares / (batch * tokens)).clamp_min(1e-30).rsqrt()
         weights, directions = inverse_spread.square(), self.directions.to(rows.device) * inverse_spread[:, None]
         signs = self._token_signs(tokens).to(rows.device)
-        sketch = torch.zeros(batch, directions.shape[1], dtype=rows.dtype, device=rows.device)
+        width = directions.shape[1]
+        sketch = torch.zeros(batch, width, dtype=rows.dtype, device=rows.device)
+        second_moment = torch.zeros(width, width, dtype=rows.dtype, device=rows.device)
         for start, stop in spans:
             part = centred(start, stop)
             row_norms = (part.square() @ weights).sqrt_().clamp_min_(1e-30)
-            sketch += ((part @ directions) * (signs[start:stop] / row_norms)[..., None]).sum(dim=1)
+            projected = (part @ directions) / row_norms[..., None]
+            sketch += (projected * signs[start:stop, None]).sum(dim=1)
+            flat = projected.reshape(-1, width)
+            second_moment += flat.T @ flat
+        # the directions most rows share are no sequence's own: projected out (the projection commutes with the sum)
+        dominant = _dominant_directions(second_moment)
+        if dominant.shape[1]:
+            dominant = dominant.to(rows.device)
+            sketch -= (sketch @ dominant) @ dominant.T
         return (sketch / sketch.norm(dim=1, keepdim=True).clamp_min(1e-30)).half().cpu()
 
 
