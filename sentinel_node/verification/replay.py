@@ -38,7 +38,7 @@ SKIPPED_TOKENS = 16
 # two such tensors then agree whatever their text: honest stage-0 activations scored 0.95-0.99 against tensors of
 # other tokens and both replicas of the stage were banned as replays. So a direction that holds most of the
 # projected rows' energy (of what the larger ones left; at most DOMINANT_DIRECTIONS of them) is taken off every
-# sketch: there, four went, and the same tensors' best scores fell to 0.50-0.67. Tensors without such a direction
+# sketch: there, three or four went, and the best honest scores fell to 0.49-0.67. Tensors without such a direction
 # (the honest test streams' largest holds 20-40%) lose nothing, so a copy with a little noise still matches it;
 # a copy has the same dominant directions as its original, so it matches itself exactly.
 DOMINANT_DIRECTIONS = 4
