@@ -7,51 +7,70 @@ import pytest
 
 from sentinel_node.bench.soak import (
     FD_SLACK_TREE,
+    Fault,
     FaultKind,
     FaultRecord,
     Microbatches,
+    Roster,
     SoakSettings,
     TrainerLife,
     evaluate,
-    fault_targets,
     life_of,
     merge_accounting,
+    pick,
     plan_faults,
     repeated_steps,
     split_lives,
 )
 from sentinel_node.roles.status import AccountingStatus, TrainerStatus
 
-REPLICAS = {0: ["stage0-0", "stage0-1"], 1: ["stage1-0", "stage1-1"], 2: ["stage2-0", "stage2-1"]}
-VERIFIERS = ["verifier0", "verifier1"]
+ROSTER = Roster(
+    replicas={0: ("stage0-0", "stage0-1"), 1: ("stage1-0", "stage1-1"), 2: ("stage2-0", "stage2-1")},
+    attacker="stage1-1",
+    verifiers=("verifier0", "verifier1"),
+    trainer="trainer",
+)
 
 
 def test_targets_leave_every_stage_an_honest_replica_and_never_fault_the_attacker():
-    targets = fault_targets(REPLICAS, "stage1-1", VERIFIERS, "trainer")
     # stage1-0 is the middle stage's only honest replica: faulting it would stall the whole pipeline
-    assert targets == ["stage0-0", "stage0-1", "stage2-0", "stage2-1", "verifier0", "verifier1", "trainer"]
-    honest = fault_targets(REPLICAS, None, VERIFIERS, "trainer")
-    assert "stage1-0" in honest and "stage1-1" in honest
-    assert fault_targets({0: ["a"], 1: ["b"]}, None, ["v"], None) == []  # single replicas, a single verifier
+    assert ROSTER.eligible() == ["stage0-0", "stage0-1", "stage2-0", "stage2-1", "verifier0", "verifier1", "trainer"]
+    honest = Roster(ROSTER.replicas, None, ROSTER.verifiers, "trainer")
+    assert "stage1-0" in honest.eligible() and "stage1-1" in honest.eligible()
+    assert Roster({0: ("a",), 1: ("b",)}, None, ("v",), None).eligible() == []  # single replicas, one verifier
+
+
+def test_a_node_down_protects_its_last_sibling_and_is_not_faulted_twice():
+    down = {"stage0-1", "verifier0", "trainer"}
+    # stage0-0 is stage 0's last honest replica up, verifier1 the last verifier up
+    assert ROSTER.eligible(down) == ["stage2-0", "stage2-1"]
+    assert ROSTER.eligible(down | {"stage2-0"}) == []
 
 
 def test_the_plan_is_one_fault_per_interval_drawn_from_the_seed():
     settings = SoakSettings(minutes=30, interval_s=60, seed=3, down_s=(3.0, 15.0))
-    targets = fault_targets(REPLICAS, "stage1-1", VERIFIERS, "trainer")
-    plan = plan_faults(settings, targets)
+    plan = plan_faults(settings)
     assert [f.at_s for f in plan] == [60.0 * k for k in range(1, 30)]  # none at the start, none at the very end
-    assert all(f.target in targets and 3.0 <= f.down_s <= 15.0 for f in plan)
+    assert all(3.0 <= f.down_s <= 15.0 and 0 <= f.draw < 1 for f in plan)
     assert {f.kind for f in plan} == {FaultKind.KILL, FaultKind.STOP}
-    assert len({f.target for f in plan}) >= 5  # 29 draws over 7 targets reach most of them
-    assert plan_faults(settings, targets) == plan  # the same seed, the same faults
-    other = plan_faults(SoakSettings(minutes=30, interval_s=60, seed=4), targets)
-    assert [(f.target, f.kind) for f in other] != [(f.target, f.kind) for f in plan]
+    targets = ROSTER.eligible()
+    assert len({pick(f, targets) for f in plan}) >= 5  # 29 draws over 7 targets reach most of them
+    assert plan_faults(settings) == plan  # the same seed, the same faults
+    other = plan_faults(SoakSettings(minutes=30, interval_s=60, seed=4))
+    assert [(f.kind, f.draw) for f in other] != [(f.kind, f.draw) for f in plan]
+
+
+def test_pick_spreads_draws_over_whoever_is_eligible():
+    fault = plan_faults(SoakSettings(minutes=2, interval_s=60))[0]
+    assert pick(fault, []) is None  # skipped
+    assert pick(fault, ["only"]) == "only"
+    low, high = (Fault(60.0, FaultKind.KILL, 5.0, draw) for draw in (0.0, 0.999999))
+    assert pick(low, ["a", "b", "c"]) == "a" and pick(high, ["a", "b", "c"]) == "c"
 
 
 def test_kill_share_decides_the_kinds():
-    targets = ["a", "b"]
-    kills = plan_faults(SoakSettings(minutes=10, interval_s=30, kill_share=1.0), targets)
-    stops = plan_faults(SoakSettings(minutes=10, interval_s=30, kill_share=0.0), targets)
+    kills = plan_faults(SoakSettings(minutes=10, interval_s=30, kill_share=1.0))
+    stops = plan_faults(SoakSettings(minutes=10, interval_s=30, kill_share=0.0))
     assert {f.kind for f in kills} == {FaultKind.KILL} and {f.kind for f in stops} == {FaultKind.STOP}
 
 
@@ -60,8 +79,6 @@ def test_settings_refuse_a_downtime_as_long_as_the_interval():
         SoakSettings(interval_s=10, down_s=(3.0, 10.0))
     with pytest.raises(ValueError, match="low <= high"):
         SoakSettings(down_s=(5.0, 3.0))
-    with pytest.raises(ValueError, match="no node"):
-        plan_faults(SoakSettings(), [])
 
 
 def step(n: int, sent: int, settled: int, excluded=()) -> dict:
@@ -111,7 +128,7 @@ def verdicts(**changes) -> dict[str, bool]:
         "microbatches_per_step": 4,
         "repeated": [],
         "unexpected_exits": [],
-        "faults": [FaultRecord(60.0, 60.0, "stage0-0", "kill", 5.0, back_after_s=30.0)],
+        "faults": [FaultRecord(60.0, 60.0, "stage0-0", "kill", 5.0, back_after_s=30.0)],  # restarted
         "leaks": {
             "leftovers": {},
             "fds": {"bootstrap": {"start": 40, "end": 44}},

@@ -7,13 +7,15 @@ the same identity and state directory, or SIGSTOPped (the process group frozen, 
 SIGCONTed after a pause. Targets are drawn among the honest stage replicas, the verifiers and the trainer; a
 restarted trainer resumes at the swarm's step.
 
-The schedule is drawn up front by small pure functions (:func:`fault_targets`, :func:`plan_faults`), from a seeded
-RNG, so the same seed faults the same nodes the same way. One fault is active at a time: the next waits until the
-previous target serves again (a restart slower than the interval delays the rest of the schedule, and the report
-says so). A node whose fault would leave its stage without an honest live replica is never a target: with two
-replicas per stage that is the middle stage's honest replica (its sibling is the attacker, excluded once banned), and
-faulting it would only stall the whole pipeline for the downtime. The attacker is no target either: it stays in, to
-be banned, and to stay banned (or be banned again) while verifiers restart.
+The schedule is drawn up front from a seeded RNG by small pure functions (:func:`plan_faults`: when, which kind,
+how long, and a draw; :meth:`Roster.eligible` and :func:`pick`: which node, among those that may be faulted at that
+moment), so the same seed and the same recoveries fault the same nodes the same way. Faults keep the interval
+whatever the restarts take (a restart on two loaded cores takes minutes), each in a thread of its own, so several
+nodes may be down at once; but a fault never takes a stage's last honest replica that is up, nor the last verifier
+that is up (either would stall the whole pipeline for the downtime, which says nothing about recovery), and a fault
+with nobody eligible is skipped and counted. With two replicas per stage, the middle stage's honest replica is never
+a target (its sibling is the attacker, excluded once banned). The attacker is no target either: it stays in, to be
+banned, and to stay banned (or be banned again) while verifiers restart.
 
 Checked (:func:`evaluate`; the command exits non-zero when one fails): the validation loss fell; no honest peer was
 excluded in any node's view at any time; the attacker was excluded, and is in every live honest view at the end;
@@ -30,8 +32,10 @@ import json
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -59,12 +63,13 @@ class FaultKind(enum.Enum):
 
 @dataclass(frozen=True)
 class Fault:
-    """One planned fault: at ``at_s`` seconds into the soak, ``target`` is killed or stopped for ``down_s``."""
+    """One planned fault: at ``at_s`` seconds into the soak a node is killed or stopped for ``down_s``; ``draw``
+    (in [0, 1)) picks which, among the nodes that may be faulted at that moment (:func:`pick`)."""
 
     at_s: float
-    target: str
     kind: FaultKind
     down_s: float
+    draw: float
 
 
 @dataclass(frozen=True)
@@ -95,37 +100,51 @@ class SoakSettings:
 # --- the schedule (pure)
 
 
-def fault_targets(
-    replicas: dict[int, Sequence[str]], attacker: str | None, verifiers: Sequence[str], trainer: str | None
-) -> list[str]:
-    """The nodes a fault may hit, one at a time: every honest replica with an honest sibling on its stage (the
-    attacker does not count: once banned it serves nobody), every verifier when there are at least two (each
-    serves every boundary), and the trainer. Never the attacker."""
-    targets = []
-    for stage in sorted(replicas):
-        honest = [name for name in replicas[stage] if name != attacker]
-        if len(honest) >= 2:
-            targets += honest
-    if len(verifiers) >= 2:
-        targets += list(verifiers)
-    if trainer is not None:
-        targets.append(trainer)
-    return targets
+@dataclass(frozen=True)
+class Roster:
+    """Who the soak may fault: the stage replicas by stage, the attacker among them, the verifiers, the trainer."""
+
+    replicas: dict[int, tuple[str, ...]]
+    attacker: str | None
+    verifiers: tuple[str, ...]
+    trainer: str | None
+
+    def eligible(self, down: AbstractSet[str] = frozenset()) -> list[str]:
+        """The nodes a fault may hit while the nodes in ``down`` are faulted (killed and not serving again yet, or
+        stopped): an honest replica while another honest replica of its stage is up (the attacker does not count:
+        once banned it serves nobody, and a stage without a replica stalls the whole pipeline), a verifier while
+        another is up (each serves every boundary), the trainer while it is up. Never the attacker."""
+        targets = []
+        for stage in sorted(self.replicas):
+            honest = [name for name in self.replicas[stage] if name != self.attacker]
+            up = [name for name in honest if name not in down]
+            if len(up) >= 2:
+                targets += up
+        up = [name for name in self.verifiers if name not in down]
+        if len(up) >= 2:
+            targets += up
+        if self.trainer is not None and self.trainer not in down:
+            targets.append(self.trainer)
+        return targets
 
 
-def plan_faults(settings: SoakSettings, targets: Sequence[str]) -> list[Fault]:
-    """The soak's faults, one per interval from the first interval on, strictly before the end: a target, a kind
-    and a downtime each, drawn from ``random.Random(settings.seed)``."""
-    if not targets:
-        raise ValueError("no node may be faulted")
+def pick(fault: Fault, eligible: Sequence[str]) -> str | None:
+    """The node ``fault`` hits among ``eligible`` (None: nobody may be faulted now, the fault is skipped)."""
+    if not eligible:
+        return None
+    return eligible[min(int(fault.draw * len(eligible)), len(eligible) - 1)]
+
+
+def plan_faults(settings: SoakSettings) -> list[Fault]:
+    """The soak's faults, one per interval from the first interval on, strictly before the end: a kind, a downtime
+    and a draw each, from ``random.Random(settings.seed)``."""
     rng = random.Random(settings.seed)
     duration = settings.minutes * 60.0
     faults, at = [], settings.interval_s
     while at < duration:
-        target = rng.choice(list(targets))
         kind = FaultKind.KILL if rng.random() < settings.kill_share else FaultKind.STOP
         down = round(rng.uniform(*settings.down_s), 1)
-        faults.append(Fault(at_s=at, target=target, kind=kind, down_s=down))
+        faults.append(Fault(at_s=at, kind=kind, down_s=down, draw=rng.random()))
         at += settings.interval_s
     return faults
 
@@ -237,6 +256,7 @@ class FaultRecord:
     down_s: float
     back_after_s: float | None = None  # from the fault until the target served again (or was continued)
     error: str | None = None  # a restart that did not serve
+    skipped: bool = False  # nobody could be faulted at the time
     orphans: list[int] = field(default_factory=list)  # processes of a killed group still alive after the kill
 
 
@@ -380,33 +400,50 @@ class Soak:
         self.killed_statuses: list[TrainerStatus | None] = []  # the status each killed trainer last wrote
         self.honest_excluded: dict[str, str] = {}
         self.unexpected_exits: list[dict] = []
-        self.expected_down: set[str] = set()
+        self.down: set[str] = set()  # faulted nodes: killed and not serving again yet, or stopped
+        # Faults run in threads of their own (a restart on two loaded cores can take minutes, longer than the
+        # interval); this lock keeps their kills and restarts apart from each other and from the observer
+        self.lock = threading.Lock()
         self.started = 0.0
 
     # --- running
 
     def run(self) -> SoakReport:
-        demo = self.demo
+        demo, settings = self.demo, self.settings
         driver_start = fd_count(os.getpid())
         try:
             demo.start()
             demo.start_trainer(TRAINER, steps=0)
             self.started = time.monotonic()
-            self._wait_for_steps(3, timeout=self.settings.settle_timeout_s)
+            self._wait_for_steps(3, timeout=settings.settle_timeout_s)
+            self.started = time.monotonic()  # the schedule's clock starts once the swarm trains
             start_fds = {name: (node.process.pid, tree_fds(node.process.pid)) for name, node in self._nodes()}
             driver_mid = fd_count(os.getpid())
             replicas: dict[int, list[str]] = {}
             for name in demo.stage_names():
                 replicas.setdefault(int(name.split("-")[0].removeprefix("stage")), []).append(name)
-            targets = fault_targets(replicas, demo.attacker_name(), demo.verifier_names(), TRAINER)
-            plan = plan_faults(self.settings, targets)
-            self.echo(f"soak: {len(plan)} faults over {self.settings.minutes:g} minutes among {', '.join(targets)}")
+            roster = Roster(
+                replicas={k: tuple(v) for k, v in replicas.items()},
+                attacker=demo.attacker_name(),
+                verifiers=tuple(demo.verifier_names()),
+                trainer=TRAINER,
+            )
+            plan = plan_faults(settings)
+            self.echo(
+                f"soak: {len(plan)} faults over {settings.minutes:g} minutes among {', '.join(roster.eligible())}"
+            )
+            threads = []
             for fault in plan:
                 self._idle_until(self.started + fault.at_s)
-                self._apply(fault)
-            self._idle_until(self.started + self.settings.minutes * 60.0)
+                thread = self._fault(fault, roster)
+                if thread is not None:
+                    threads.append(thread)
+            self._idle_until(self.started + settings.minutes * 60.0)
+            deadline = time.monotonic() + settings.restart_timeout_s + settings.down_s[1] + 30
+            while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+                self._idle_for(settings.poll_s)
             settled_from = self._step_count()
-            self._wait_for_steps(settled_from + self.settings.settle_steps, timeout=self.settings.settle_timeout_s)
+            self._wait_for_steps(settled_from + settings.settle_steps, timeout=settings.settle_timeout_s)
             views = demo.wait_for_consensus(60.0)
             self._observe()
             end_fds = {
@@ -438,40 +475,59 @@ class Soak:
         )
 
     def _nodes(self) -> list[tuple[str, NodeProcess]]:
-        return [(name, node) for name, node in self.demo.swarm.nodes.items()]
+        with self.lock:
+            return list(self.demo.swarm.nodes.items())
 
     def _now(self) -> float:
         return time.monotonic() - self.started
 
-    def _apply(self, fault: Fault) -> None:
-        swarm, name = self.demo.swarm, fault.target
-        record = FaultRecord(
-            at_s=round(self._now(), 1),
-            planned_at_s=fault.at_s,
-            target=name,
-            kind=fault.kind.value,
-            down_s=fault.down_s,
-        )
-        self.faults.append(record)
+    def _fault(self, fault: Fault, roster: Roster) -> threading.Thread | None:
+        """Picks the fault's target among those that may be faulted now and runs the fault in a thread."""
+        with self.lock:
+            eligible = roster.eligible(frozenset(self.down))
+            name = pick(fault, eligible)
+            record = FaultRecord(
+                at_s=round(self._now(), 1),
+                planned_at_s=fault.at_s,
+                target=name or "-",
+                kind=fault.kind.value,
+                down_s=fault.down_s,
+            )
+            self.faults.append(record)
+            if name is None:
+                record.error = None
+                record.skipped = True
+                self.echo(f"[{record.at_s:7.1f}s] skipped: nobody may be faulted now (down: {sorted(self.down)})")
+                return None
+            self.down.add(name)
         self.echo(f"[{record.at_s:7.1f}s] {fault.kind.value} {name} for {fault.down_s:.1f}s")
-        node = swarm.nodes[name]
+        thread = threading.Thread(target=self._apply, args=(fault, name, record), name=f"fault-{name}", daemon=True)
+        thread.start()
+        return thread
+
+    def _apply(self, fault: Fault, name: str, record: FaultRecord) -> None:
+        swarm = self.demo.swarm
         began = time.monotonic()
-        self.expected_down.add(name)
         try:
             if fault.kind is FaultKind.STOP:
-                swarm.kill(name, signal.SIGSTOP)
-                self._idle_for(fault.down_s)
-                swarm.kill(name, signal.SIGCONT)
+                with self.lock:
+                    swarm.kill(name, signal.SIGSTOP)
+                time.sleep(fault.down_s)
+                with self.lock:
+                    swarm.kill(name, signal.SIGCONT)
                 record.back_after_s = round(time.monotonic() - began, 1)
                 return
-            group = [node.process.pid, *descendants(node.process.pid)]
-            swarm.kill(name, signal.SIGKILL)
-            if name == TRAINER:  # before the restart overwrites them
-                self.killed_statuses.append(self._trainer_status())
-                self.trainer_cuts.append(len(self._records()))
-            self._idle_for(fault.down_s)
+            with self.lock:
+                node = swarm.nodes[name]
+                group = [node.process.pid, *descendants(node.process.pid)]
+                swarm.kill(name, signal.SIGKILL)
+                if name == TRAINER:  # before the restart overwrites them
+                    self.killed_statuses.append(self._trainer_status())
+                    self.trainer_cuts.append(len(self._records()))
+            time.sleep(fault.down_s)
             record.orphans = [pid for pid in group if _alive(pid)]
-            restarted = swarm.restart(name)
+            with self.lock:
+                restarted = swarm.restart(name)
             try:
                 swarm.wait_ready([restarted], self.settings.restart_timeout_s)
             except SwarmStartError as e:
@@ -479,8 +535,12 @@ class Soak:
                 logger.warning(f"soak: {name} did not serve again: {e}")
                 return
             record.back_after_s = round(time.monotonic() - began, 1)
+        except Exception as e:  # noqa: BLE001 - recorded (and failing the soak) rather than lost in a thread
+            record.error = f"{type(e).__name__}: {e}"
+            logger.warning(f"soak: the fault on {name} failed: {e}", exc_info=True)
         finally:
-            self.expected_down.discard(name)
+            with self.lock:
+                self.down.discard(name)
             self.echo(f"[{self._now():7.1f}s]   {name} back after {record.back_after_s}s")
 
     def _idle_for(self, seconds: float) -> None:
@@ -501,9 +561,9 @@ class Soak:
             if node.role == "bootstrap":
                 continue
             if not node.alive:
-                if name not in self.expected_down and not any(
-                    e["pid"] == node.process.pid for e in self.unexpected_exits
-                ):
+                with self.lock:
+                    expected = name in self.down
+                if not expected and not any(e["pid"] == node.process.pid for e in self.unexpected_exits):
                     code = node.process.poll()
                     self.unexpected_exits.append(
                         {
@@ -525,8 +585,9 @@ class Soak:
                     self.honest_excluded[honest[peer]] = f"in {name}'s view at {self._now():.0f}s"
 
     def _honest(self) -> dict[str, str]:
-        honest = self.demo.honest_peers()
-        trainer = self.demo.swarm.nodes.get(TRAINER)
+        with self.lock:
+            honest = self.demo.honest_peers()
+            trainer = self.demo.swarm.nodes.get(TRAINER)
         if trainer is not None and trainer.peer_id:
             honest[trainer.peer_id] = TRAINER
         return honest
@@ -563,7 +624,8 @@ class Soak:
     def _stop_trainer(self) -> TrainerStatus | None:
         """SIGTERM to the trainer (it settles what is in flight and writes its summary), then its last status."""
         node = self.demo.node(TRAINER)
-        self.expected_down.add(TRAINER)
+        with self.lock:
+            self.down.add(TRAINER)
         if node.alive:
             node.process.send_signal(signal.SIGTERM)
             try:
@@ -616,9 +678,10 @@ class Soak:
             "last_train_loss": round(sum(losses[-window:]) / len(losses[-window:]), 4) if losses else None,
         }
         attacker = self._attacker(steps, views)
-        by_kind = {kind.value: sum(f.kind == kind.value for f in self.faults) for kind in FaultKind}
+        applied = [f for f in self.faults if not f.skipped]
+        by_kind = {kind.value: sum(f.kind == kind.value for f in applied) for kind in FaultKind}
         by_target: dict[str, dict[str, int]] = {}
-        for f in self.faults:
+        for f in applied:
             by_target.setdefault(f.target, dict.fromkeys(by_kind, 0))[f.kind] += 1
         gaps = [
             {"killed_after": before[-1]["step"], "resumed_at": after[0]["step"]}
@@ -649,14 +712,14 @@ class Soak:
             faults=self.faults,
             faults_by_kind=by_kind,
             faults_by_target=by_target,
-            restarts=sum(f.kind == FaultKind.KILL.value and f.error is None for f in self.faults),
+            restarts=sum(f.kind == FaultKind.KILL.value and f.back_after_s is not None for f in applied),
             steps={
                 "first": steps[0]["step"] if steps else None,
                 "last": steps[-1]["step"] if steps else None,
                 "trained": len(steps),
                 "trainer_processes": len(lives),
                 "gaps_at_trainer_restarts": gaps,
-                "late_faults": sum(f.at_s - f.planned_at_s > settings.poll_s + 1 for f in self.faults),
+                "skipped_faults": sum(f.skipped for f in self.faults),
             },
             microbatches=microbatches,
             trainer_lives=lives,
@@ -722,12 +785,13 @@ def write_report(report: SoakReport, out: Path) -> Path:
 def table(report: SoakReport) -> str:
     """The report as a short table for people."""
     s, m, loss, a = report.steps, report.microbatches, report.loss, report.attacker
+    kinds = ", ".join(f"{k} {v}" for k, v in report.faults_by_kind.items())
     resumed = ", ".join(f"{g['killed_after']}->{g['resumed_at']}" for g in s["gaps_at_trainer_restarts"]) or "-"
     lines = [
         f"churn soak: {report.settings['minutes']:g} min (+ start and settle: {report.wall_s:.0f}s), "
         f"seed {report.settings['seed']}, a fault every {report.settings['interval_s']:g}s",
-        f"faults: {len(report.faults)} ({', '.join(f'{k} {v}' for k, v in report.faults_by_kind.items())}), "
-        f"restarts {report.restarts}, late faults {s['late_faults']}",
+        f"faults: {sum(report.faults_by_kind.values())} ({kinds}), "
+        f"restarts {report.restarts}, skipped (nobody could be faulted) {s['skipped_faults']}",
         f"  {'target':<10} {'kill':>4} {'stop':>4}",
         *(f"  {t:<10} {c['kill']:>4} {c['stop']:>4}" for t, c in sorted(report.faults_by_target.items())),
         f"steps {s['first']} -> {s['last']} ({s['trained']} trained, {s['trainer_processes']} trainer processes; "
