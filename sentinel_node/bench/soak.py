@@ -163,7 +163,7 @@ class TrainerLife:
     dropped: int
     failed: int
     retried: int
-    in_flight: int  # when it ended: lost with it when it was killed
+    in_flight: int  # when it ended: lost with it when it was killed (from its last status, at most 1 s old)
     killed: bool
     abandoned_at_stop: int = 0  # a stopped trainer settles its in-flight microbatches as failed
 
@@ -313,6 +313,11 @@ def evaluate(
     failed_restarts = [f"{f.target} at {f.at_s:.0f}s: {f.error}" for f in faults if f.error]
     orphans = {f.target: f.orphans for f in faults if f.orphans}
     fd_growth = {name: d["end"] - d["start"] for name, d in leaks["fds"].items() if d["end"] is not None}
+    fd_growth |= {
+        f"{name} (python)": d["own_end"] - d["own_start"]
+        for name, d in leaks["fds"].items()
+        if d.get("own_end") is not None and d.get("own_start") is not None
+    }
     fd_leaks = {name: grown for name, grown in fd_growth.items() if grown > FD_SLACK_TREE}
     driver = leaks["driver_fds"]
     return [
@@ -418,6 +423,7 @@ class Soak:
             self._wait_for_steps(3, timeout=settings.settle_timeout_s)
             self.started = time.monotonic()  # the schedule's clock starts once the swarm trains
             start_fds = {name: (node.process.pid, tree_fds(node.process.pid)) for name, node in self._nodes()}
+            start_own = {name: fd_count(node.process.pid) for name, node in self._nodes()}
             driver_mid = fd_count(os.getpid())
             replicas: dict[int, list[str]] = {}
             for name in demo.stage_names():
@@ -451,6 +457,11 @@ class Soak:
                 for name, node in self._nodes()
                 if name in start_fds
             }
+            end_own = {
+                name: fd_count(node.process.pid) if node.process.pid == start_fds[name][0] else None
+                for name, node in self._nodes()
+                if name in start_fds
+            }
             driver_end = fd_count(os.getpid())
             honest_strikes = self._honest_strikes()
             trainer_status = self._stop_trainer()
@@ -466,7 +477,12 @@ class Soak:
             leaks={
                 "leftovers": {str(pid): name for pid, name in leftovers.items()},
                 "fds": {
-                    name: {"start": count, "end": end_fds.get(name)}
+                    name: {
+                        "start": count,
+                        "end": end_fds.get(name),
+                        "own_start": start_own.get(name),  # the node's python process alone
+                        "own_end": end_own.get(name),
+                    }
                     for name, (_pid, count) in start_fds.items()
                     if count is not None
                 },
@@ -663,10 +679,12 @@ class Soak:
             for peer in record["excluded"]:
                 if peer in honest and honest[peer] not in self.honest_excluded:
                     self.honest_excluded[honest[peer]] = f"in the trainer's view at step {record['step']}"
-        validations = [(r["step"], r["val_loss"]) for r in steps if r.get("val_loss") is not None]
-        initial = next((r for r in records if r.get("event") == "validation"), None)
-        if initial is not None:
-            validations.insert(0, (initial["step"], initial["val_loss"]))
+        # every trainer process validates when it starts (a "validation" record), then every eval_every steps
+        validations = [
+            (r["step"], r["val_loss"])
+            for r in records
+            if r.get("event") in ("validation", "step") and r.get("val_loss") is not None
+        ]
         losses = [r["loss"] for r in steps if r.get("loss") is not None]
         window = 10
         loss = {
@@ -816,8 +834,12 @@ def table(report: SoakReport) -> str:
     )
     fds = report.leaks["fds"]
     lines.append(
-        f"leaks: processes after stop {len(report.leaks['leftovers'])}; fds of long-lived nodes "
-        + ", ".join(f"{n} {d['start']}->{d['end']}" for n, d in fds.items() if d["end"] is not None)
+        f"leaks: processes after stop {len(report.leaks['leftovers'])}; fds of long-lived nodes (process tree) "
+        + ", ".join(
+            f"{n} {d['start']}->{d['end']} (python {d.get('own_start')}->{d.get('own_end')})"
+            for n, d in fds.items()
+            if d["end"] is not None
+        )
         + f"; driver {report.leaks['driver_fds']['start']}->{report.leaks['driver_fds']['end']}"
     )
     lines += [f"{'PASS' if c.ok else 'FAIL'}  {c.name}: {c.detail}" for c in report.checks]
