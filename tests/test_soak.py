@@ -202,14 +202,15 @@ def test_microbatches_report_counts_nothing_twice():
 
 @pytest.mark.slow
 @pytest.mark.long
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_a_short_soak_keeps_every_invariant(tmp_path):
-    """Two and a half minutes of the real swarm, a fault every 30 s: seed 0 kills the trainer, kills and stops
-    stage replicas (restarts included)."""
+    """A minute and a half of the real swarm, a fault every 30 s: seed 1 SIGKILLs verifier1, then stage2-1, and
+    restarts both (about 4 minutes on 2 idle cores, with the swarm's start; 10 on 2 cores at a load of 25)."""
     from sentinel_node.bench.soak import Soak
 
-    report = Soak(SoakSettings(minutes=2.5, interval_s=30, seed=0, workdir=tmp_path / "swarm")).run()
-    assert report.faults and report.faults_by_kind[FaultKind.KILL.value] >= 1
+    report = Soak(SoakSettings(minutes=1.5, interval_s=30, seed=1, workdir=tmp_path / "swarm")).run()
+    assert [(f.kind, f.target) for f in report.faults] == [("kill", "verifier1"), ("kill", "stage2-1")]
+    assert report.restarts == 2
     failed = [check for check in report.checks if not check.ok]
     assert not failed, failed
     assert report.steps["trained"] > 10 and report.microbatches.succeeded > 0
