@@ -81,7 +81,9 @@ class SoakSettings:
     down_s: tuple[float, float] = (3.0, 15.0)  # a killed node's downtime before its restart, or a stop's pause
     settle_steps: int = 3  # steps the trainer must make after the last fault before the soak ends
     settle_timeout_s: float = 300.0
-    restart_timeout_s: float = 300.0  # generous: a restart on two loaded cores can take a minute
+    # A restart is waited for until it serves, up to this long: the 30-minute soak saw restarts of 2-4.5 minutes at a
+    # load average of 25-50 on 2 cores (the imports alone took 3 minutes), and one over the 300 s once allowed
+    restart_timeout_s: float = 900.0
     poll_s: float = 2.0
     workdir: Path | None = None
     config_path: Path = DEMO_CONFIG_PATH
@@ -275,6 +277,7 @@ class SoakReport:
     faults_by_kind: dict[str, int]
     faults_by_target: dict[str, dict[str, int]]
     restarts: int
+    restart_s: dict  # from a kill until the node served again: count, median, max
     steps: dict  # first, last, trained, trainer processes, gaps at trainer restarts
     microbatches: Microbatches
     trainer_lives: list[TrainerLife]
@@ -731,6 +734,7 @@ class Soak:
             faults_by_kind=by_kind,
             faults_by_target=by_target,
             restarts=sum(f.kind == FaultKind.KILL.value and f.back_after_s is not None for f in applied),
+            restart_s=_spread([f.back_after_s for f in applied if f.kind == FaultKind.KILL.value]),
             steps={
                 "first": steps[0]["step"] if steps else None,
                 "last": steps[-1]["step"] if steps else None,
@@ -779,6 +783,13 @@ class Soak:
         }
 
 
+def _spread(values: Sequence[float | None]) -> dict:
+    found = sorted(v for v in values if v is not None)
+    if not found:
+        return {"count": 0, "median": None, "max": None}
+    return {"count": len(found), "median": found[len(found) // 2], "max": found[-1]}
+
+
 def _alive(pid: int) -> bool:
     from sentinel_node.processes import alive
 
@@ -809,7 +820,8 @@ def table(report: SoakReport) -> str:
         f"churn soak: {report.settings['minutes']:g} min (+ start and settle: {report.wall_s:.0f}s), "
         f"seed {report.settings['seed']}, a fault every {report.settings['interval_s']:g}s",
         f"faults: {sum(report.faults_by_kind.values())} ({kinds}), "
-        f"restarts {report.restarts}, skipped (nobody could be faulted) {s['skipped_faults']}",
+        f"restarts {report.restarts} (kill to serving again: median {report.restart_s['median']}s, max "
+        f"{report.restart_s['max']}s), skipped (nobody could be faulted) {s['skipped_faults']}",
         f"  {'target':<10} {'kill':>4} {'stop':>4}",
         *(f"  {t:<10} {c['kill']:>4} {c['stop']:>4}" for t, c in sorted(report.faults_by_target.items())),
         f"steps {s['first']} -> {s['last']} ({s['trained']} trained, {s['trainer_processes']} trainer processes; "
