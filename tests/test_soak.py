@@ -3,6 +3,9 @@ its verdicts, as pure functions; and, marked long, a short real soak of the demo
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from sentinel_node.bench.soak import (
@@ -214,3 +217,33 @@ def test_a_short_soak_keeps_every_invariant(tmp_path):
     failed = [check for check in report.checks if not check.ok]
     assert not failed, failed
     assert report.steps["trained"] > 10 and report.microbatches.succeeded > 0
+
+
+ESCAPER = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_killed_node_takes_the_processes_that_left_its_group_along(tmp_path):
+    """torch_shm_manager (started by hivemind's file_system sharing strategy) calls setsid: the soak saw it outlive
+    SIGKILLed nodes, which a SIGKILL of the node's process group does not reach. A node whose child does the same."""
+    import sys
+
+    from sentinel_node.processes import alive
+    from sentinel_node.supervisor import LocalSwarm
+
+    swarm = LocalSwarm(tmp_path, tmp_path / "swarm.yaml")
+    (tmp_path / "logs").mkdir()
+    with swarm:
+        node = swarm._launch("escaper", "stage", [sys.executable, "-c", ESCAPER], tmp_path / "escaper.json")
+        escaped = int(node.lines.get(timeout=60))
+        assert alive(escaped) and os.getpgid(escaped) != node.process.pid  # it left the node's group
+        swarm.kill("escaper")
+        deadline = time.monotonic() + 10
+        while alive(escaped) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(escaped)
+        assert swarm.leftovers() == {}

@@ -42,7 +42,7 @@ from pathlib import Path
 from hivemind.utils import get_logger
 
 from sentinel_node.demo import DEMO_CONFIG_PATH, Demo, DemoSettings
-from sentinel_node.processes import descendants
+from sentinel_node.processes import descendants, start_time
 from sentinel_node.roles.status import TrainerStatus
 from sentinel_node.supervisor import NodeProcess, SwarmStartError
 
@@ -538,13 +538,13 @@ class Soak:
                 return
             with self.lock:
                 node = swarm.nodes[name]
-                group = [node.process.pid, *descendants(node.process.pid)]
+                group = {pid: start_time(pid) for pid in [node.process.pid, *descendants(node.process.pid)]}
                 swarm.kill(name, signal.SIGKILL)
                 if name == TRAINER:  # before the restart overwrites them
                     self.killed_statuses.append(self._trainer_status())
                     self.trainer_cuts.append(len(self._records()))
             time.sleep(fault.down_s)
-            record.orphans = [pid for pid in group if _alive(pid)]
+            record.orphans = [pid for pid, started in group.items() if _alive(pid) and start_time(pid) == started]
             with self.lock:
                 restarted = swarm.restart(name)
             try:
