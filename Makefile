@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test test-suite test-long test-image image-smoke image-cuda test-quick fuzz lint format bench clean
+.PHONY: install demo test test-suite test-long test-image image-smoke image-cuda test-quick fuzz lint format bench soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,12 @@ fuzz: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/sentinel-node bench detection --out runs/bench
+
+# The churn soak (issue 14, item 5; figures in docs/reliability.md): the demo swarm trains for 30 minutes while a
+# stage replica, a verifier or the trainer is SIGKILLed and restarted, or SIGSTOPped and continued, every minute.
+# Exits non-zero when an invariant fails. Not part of `make test`: it takes about 35 minutes with the swarm's start.
+soak: $(STAMP)
+	nice -n 5 $(BIN)/sentinel-node bench soak --minutes 30 --interval 60 --out runs/soak
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info

@@ -251,7 +251,34 @@ class Demo:
         """Runs a trainer (named ``name``) to the end with a live view; returns its summary. ``on_step`` sees each
         step's record (e.g. to kill a node mid-run). A later trainer resumes at the swarm's step."""
         steps = self.settings.steps if steps is None else steps
-        metrics = self.workdir / f"{name}-metrics.jsonl"
+        trainer = self.start_trainer(name, steps)
+        metrics = self.metrics_path(name)
+        self.echo(f"{'step':>4} {'loss':>7} {'val':>7} {'tok/s':>7} {'flags':>5} {'strikes':>7}  excluded")
+        for record in follow_json_lines(metrics, trainer):
+            if record.get("event") == "validation":
+                self.echo(f"{'-':>4} {'':>7} {record['val_loss']:7.3f}  (before training)")
+            elif record.get("event") == "step":
+                self.steps.append(record)
+                self.echo(self._step_line(record))
+                if on_step is not None:
+                    on_step(record)
+            elif record.get("event") == "summary":
+                self.trainer_summary = record
+        code = trainer.process.wait(timeout=30)
+        if code != 0 or self.trainer_summary is None:
+            raise SwarmStartError(f"the trainer exited with code {code}; its log ends with:\n{trainer.log_tail()}")
+        return self.trainer_summary
+
+    def metrics_path(self, name: str = "trainer") -> Path:
+        """The JSON lines trainer ``name`` appends (one per step, then a summary), across its restarts."""
+        return self.workdir / f"{name}-metrics.jsonl"
+
+    def start_trainer(self, name: str = "trainer", steps: int | None = None) -> NodeProcess:
+        """Starts a trainer named ``name`` for ``steps`` global steps (0: until stopped) and waits until it serves;
+        its records go to :meth:`metrics_path`. ``LocalSwarm.restart(name)`` starts it again with the same identity,
+        certificate and metrics file, and it resumes at the swarm's step."""
+        steps = self.settings.steps if steps is None else steps
+        metrics = self.metrics_path(name)
         trainer = self.swarm.start(
             name,
             "trainer",
@@ -271,21 +298,7 @@ class Demo:
         self.swarm.wait_ready([trainer], self.settings.start_timeout)
         if trainer.metrics_port is not None:
             self.echo(f"  {name:<10} metrics: curl http://127.0.0.1:{trainer.metrics_port}/metrics")
-        self.echo(f"{'step':>4} {'loss':>7} {'val':>7} {'tok/s':>7} {'flags':>5} {'strikes':>7}  excluded")
-        for record in follow_json_lines(metrics, trainer):
-            if record.get("event") == "validation":
-                self.echo(f"{'-':>4} {'':>7} {record['val_loss']:7.3f}  (before training)")
-            elif record.get("event") == "step":
-                self.steps.append(record)
-                self.echo(self._step_line(record))
-                if on_step is not None:
-                    on_step(record)
-            elif record.get("event") == "summary":
-                self.trainer_summary = record
-        code = trainer.process.wait(timeout=30)
-        if code != 0 or self.trainer_summary is None:
-            raise SwarmStartError(f"the trainer exited with code {code}; its log ends with:\n{trainer.log_tail()}")
-        return self.trainer_summary
+        return trainer
 
     def _step_line(self, record: dict) -> str:
         names = {node.peer_id: name for name, node in self.swarm.nodes.items()}

@@ -181,12 +181,19 @@ class LocalSwarm:
             self._remember_descendants(node)
 
     def kill(self, name: str, signum: int = signal.SIGKILL) -> None:
-        """Sends ``signum`` to a node's whole process group (SIGKILL: as if the machine lost power)."""
+        """Sends ``signum`` to a node's whole process group (SIGKILL: as if the machine lost power, so also to every
+        process below the node that left its group: torch's ``torch_shm_manager``, which hivemind's ``file_system``
+        sharing strategy starts, calls setsid, and the churn soak saw it outlive killed nodes)."""
         node = self.nodes[name]
         self._remember_descendants(node)
+        below = {pid: start_time(pid) for pid in descendants(node.process.pid)}
         with contextlib.suppress(ProcessLookupError):
             os.killpg(node.process.pid, signum)
         if signum == signal.SIGKILL:
+            for pid, started in below.items():
+                if started is not None and alive(pid) and start_time(pid) == started:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
             node.process.wait(timeout=10)
 
     def stop(self, grace: float = 15.0) -> None:

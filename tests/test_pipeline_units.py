@@ -9,15 +9,16 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from dht import StageAnnouncement, StrikeRecord, TrainerAnnouncement, VerifierAnnouncement
+from dht import DHTUnavailable, StageAnnouncement, StrikeRecord, TrainerAnnouncement, VerifierAnnouncement
 from peers import Exclusion, LivenessBlacklist, SwarmView, order_candidates
 from sentinel_node.attacks import AttackError
 from sentinel_node.cli import main
 from sentinel_node.config import load_config
+from sentinel_node.demo import DEMO_CONFIG_PATH
 from sentinel_node.roles.stage import AttackOptions
 from sentinel_node.roles.trainer import Accounting, AccountingError
 from sentinel_node.roles.verifier import StrikePublisher
-from sentinel_node.roles.views import Gatekeeper, live_trainer, live_verifier, stage_of
+from sentinel_node.roles.views import Gatekeeper, ViewKeeper, live_trainer, live_verifier, shows_others, stage_of
 from sentinel_node.transport import HopBanned, HopRefused
 from sentinel_node.verification import Verdict, VerdictKind
 
@@ -93,6 +94,64 @@ class FixedViews:
     async def refresh(self, force: bool = False) -> SwarmView:
         self.refreshes += 1
         return self.view
+
+
+class FlakyWatcher:
+    """A SwarmWatcher whose first reads fail, as on a node that just started on a loaded machine (the watcher then
+    keeps its previous view: the empty one)."""
+
+    def __init__(self, fails: int, swarm: SwarmView) -> None:
+        self.fails, self.swarm, self.reads = fails, swarm, 0
+        self.view = SwarmView(n_stages=swarm.n_stages)
+
+    def refresh(self) -> SwarmView:
+        self.reads += 1
+        if self.reads <= self.fails:
+            raise DHTUnavailable("the DHT gave no answer")
+        self.view = self.swarm
+        return self.swarm
+
+
+def flaky_keeper(fails: int, swarm: SwarmView) -> ViewKeeper:
+    keeper = ViewKeeper(store=None, config=load_config(DEMO_CONFIG_PATH))
+    keeper.watcher = FlakyWatcher(fails, swarm)
+    return keeper
+
+
+def test_a_read_view_is_never_the_empty_one_a_failed_read_leaves():
+    """The churn soak's defect: a SIGKILLed replica, restarted while its sibling served, decided from the empty view
+    of its failed first reads that it had no live sibling and that the swarm was at step -1, served its step-0
+    checkpoint as step 48 and was banned. refresh() hands that view back; read() waits for one the DHT answered."""
+    swarm = view()
+
+    async def first_views() -> tuple[SwarmView, SwarmView | None]:
+        keeper = flaky_keeper(2, swarm)
+        refreshed = await keeper.refresh(force=True)
+        return refreshed, await flaky_keeper(2, swarm).read(timeout=10)
+
+    refreshed, read = asyncio.run(first_views())
+    assert refreshed.announcements() == [] and refreshed.step_estimate() == -1  # what the replica went by
+    assert read is swarm
+
+    async def never(timeout: float) -> tuple[SwarmView | None, int]:
+        keeper = flaky_keeper(10**6, swarm)
+        return await keeper.read(timeout=timeout), keeper.watcher.reads
+
+    started = time.monotonic()
+    found, reads = asyncio.run(never(2.5))
+    assert found is None and 2 <= reads <= 4 and time.monotonic() - started < 6  # once a second, then gives up
+
+
+def test_a_view_showing_only_this_node_is_no_view_of_the_swarm():
+    swarm = view()
+    assert shows_others(swarm, STAGE0)
+    alone = SwarmView(n_stages=2, stages={0: {STAGE0: StageAnnouncement(stage=0, **fields(STAGE0))}})
+    assert not shows_others(alone, STAGE0) and not shows_others(SwarmView(n_stages=2), STAGE0)
+
+    async def read_alone() -> SwarmView | None:
+        return await flaky_keeper(0, alone).read(timeout=1.5, shows=lambda v: shows_others(v, STAGE0))
+
+    assert asyncio.run(read_alone()) is None
 
 
 def test_gatekeeper_admits_refuses_and_bans():

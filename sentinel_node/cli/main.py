@@ -123,7 +123,7 @@ def simulate(config_path, attack, attack_file, target, steps, attack_start, no_v
 
 @main.group()
 def bench() -> None:
-    """Measured figures: detection (the attack catalogue in the simulator), overhead (a local swarm)."""
+    """Measured figures: detection (the attack catalogue in the simulator), overhead (a local swarm), soak (churn)."""
 
 
 @bench.command()
@@ -257,6 +257,48 @@ def overhead(config_path, steps, as_json, out, workdir, wire_dtypes) -> None:
     click.echo(json.dumps(report, indent=2) if as_json else table(report))
     if not as_json:
         click.echo(f"{path} written")
+
+
+@bench.command()
+@click.option(
+    "--minutes", type=click.FloatRange(min=0.5), default=30.0, show_default=True, help="Faults for this long."
+)
+@click.option("--interval", type=click.FloatRange(min=5), default=60.0, show_default=True, help="Seconds per fault.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Of the fault schedule.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Default: configs/demo.yaml.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@click.option("--out", type=click.Path(file_okay=False), default="runs/soak", show_default=True, help="JSON here.")
+@click.option("--workdir", type=click.Path(file_okay=False), help="Keep the swarm's logs and status files here.")
+def soak(minutes, interval, seed, config_path, as_json, out, workdir) -> None:
+    """The demo swarm under churn: every INTERVAL seconds a stage replica, verifier or the trainer is SIGKILLed and
+    restarted, or SIGSTOPped and continued, an attacker among them. Exits 1 when an invariant fails (the loss did
+    not fall, an honest peer was excluded, a microbatch was lost, a process or file descriptor leaked)."""
+    import json
+    from pathlib import Path
+
+    from sentinel_node.bench.soak import SoakSettings, run_soak, table, write_report
+    from sentinel_node.demo import DEMO_CONFIG_PATH
+    from sentinel_node.roles.common import NodeError
+    from sentinel_node.supervisor import SwarmStartError
+
+    load(config_path)
+    try:
+        settings = SoakSettings(
+            minutes=minutes,
+            interval_s=interval,
+            seed=seed,
+            config_path=Path(config_path) if config_path else DEMO_CONFIG_PATH,
+            workdir=Path(workdir) if workdir else None,
+        )
+        report = run_soak(settings, echo=lambda line: click.echo(line, err=True))
+    except (SwarmStartError, NodeError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    path = write_report(report, Path(out))
+    click.echo(json.dumps(report.as_dict(), indent=2, default=str) if as_json else table(report))
+    if not as_json:
+        click.echo(f"{path} written")
+    if not report.ok:
+        raise SystemExit(1)
 
 
 def _shape(value: str) -> tuple[int, int, int]:

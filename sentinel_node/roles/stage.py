@@ -51,7 +51,7 @@ from hivemind.utils import get_dht_time, get_logger
 from hivemind.utils.performance_ema import PerformanceEMA
 
 from dht import DHTUnavailable, StageAnnouncement
-from peers import LivenessBlacklist, SwarmWatcher
+from peers import LivenessBlacklist, SwarmView, SwarmWatcher
 from peers.placement import Move, StageChoice, choose_stage, plan_rebalance, should_yield, stage_loads
 from sentinel_node.attacks import (
     Attacker,
@@ -78,7 +78,7 @@ from sentinel_node.roles.node import Node, NodeContext, periodically, started_no
 from sentinel_node.roles.reachability import Reachability
 from sentinel_node.roles.replica_state import ReplicaState
 from sentinel_node.roles.status import NodeStatus, ReachabilityStatus, StageStatus
-from sentinel_node.roles.views import Gatekeeper, live_trainer, live_verifier
+from sentinel_node.roles.views import Gatekeeper, live_trainer, live_verifier, shows_others
 from sentinel_node.roles.wire import (
     MAX_STEP_AHEAD,
     STAGE_FORWARD,
@@ -109,6 +109,9 @@ AVERAGE_TIMEOUT_S = 15.0
 NETWORK_ALPHA = 0.3  # weight of the latest report period in the served-tokens figure
 # A replica that moves waits at most this long for the global step under way to be applied before it leaves.
 MOVE_DRAIN_S = 30.0
+# How long a joining replica waits for a view of the swarm it can decide its state by (a loaded machine's first
+# DHT reads may time out for a while; 60 s is five announce TTLs of the demo and well beyond a refresh of tiny.yaml).
+SWARM_READ_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -444,7 +447,7 @@ class StageNode(Node):
         A replica with fresh weights on a stage that no live replica holds (its last one died, and this one joined or
         moved to cover it) adopts the swarm's step with a warning: no newer state of the stage exists anywhere, and
         refusing would leave the stage uncovered for good."""
-        view = await self.views.refresh(force=True)
+        view = await self._read_swarm()
         swarm_step = view.step_estimate(exclude=self.peer_id)
         if self.last_step >= swarm_step:
             return
@@ -473,8 +476,26 @@ class StageNode(Node):
             self.state.step = self.last_step = swarm_step
 
     async def _other_replicas(self) -> list[str]:
-        view = await self.views.refresh(force=True)
+        view = await self._read_swarm()
         return [a.peer_id for a in view.live_replicas(self.stage) if a.peer_id != self.peer_id]
+
+    async def _read_swarm(self) -> SwarmView:
+        """The swarm as the DHT shows it now, for deciding whether this replica's state is current: a view read for
+        the question and showing another node. A failed or premature read gives an empty view, which reads as a
+        swarm without replicas at step -1: the churn soak saw a SIGKILLed replica, restarted while its sibling
+        served, resume its step-0 checkpoint, find "no other live replica", serve it as step 48 and get banned.
+        NodeError when no such view comes within SWARM_READ_TIMEOUT_S. The first node of a swarm (no
+        --initial-peers) has nobody else to see: any view read will do."""
+        first = not self.context.options.initial_peers
+        shows = None if first else lambda v: shows_others(v, self.peer_id)
+        view = await self.views.read(SWARM_READ_TIMEOUT_S, shows=shows)
+        if view is None:
+            raise NodeError(
+                f"stage {self.stage}: the swarm's records could not be read in {SWARM_READ_TIMEOUT_S:.0f}s (the DHT "
+                "did not answer, or showed no other node); without them this replica cannot tell whether its state "
+                "is current. Check --initial-peers, then rejoin"
+            )
+        return view
 
     def samples(self) -> list[Sample]:
         samples = [

@@ -36,6 +36,7 @@ class ViewKeeper:
         self.listeners: list[Callable[[SwarmView], None]] = []
         self._refreshing: asyncio.Task | None = None
         self._last_refresh = 0.0
+        self.read_at: float | None = None  # time.monotonic() when a refresh last read the DHT successfully
 
     @property
     def view(self) -> SwarmView:
@@ -55,6 +56,7 @@ class ViewKeeper:
         rotation = 1 if full or not self._last_refresh else STRIKE_ROTATION
         try:
             view = await asyncio.to_thread(self.watcher.refresh, (), rotation)
+            self.read_at = time.monotonic()
         except DHTUnavailable as e:
             logger.debug(f"swarm view not refreshed: {e}")
             view = self.view
@@ -68,6 +70,21 @@ class ViewKeeper:
                 logger.warning("a swarm view listener failed", exc_info=True)
         return view
 
+    async def read(self, timeout: float, shows: Callable[[SwarmView], bool] | None = None) -> SwarmView | None:
+        """A view the DHT answered after this call began, for which ``shows(view)`` holds, refreshing (at most once a
+        second) until it comes or ``timeout`` seconds passed (then None). Unlike :meth:`refresh`, never the view kept
+        from before: when the reads fail, that is the empty view of a node that just started, which looks like an
+        empty swarm."""
+        asked = time.monotonic()
+        deadline = asked + timeout
+        while True:
+            view = await self.refresh(force=True)
+            if self.read_at is not None and self.read_at >= asked and (shows is None or shows(view)):
+                return view
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(min(_FORCED_REFRESH_INTERVAL, max(0.0, deadline - time.monotonic())))
+
     async def run(self) -> None:
         """Refreshes forever (cancel the task to stop)."""
         while True:
@@ -75,6 +92,12 @@ class ViewKeeper:
                 self._refreshing = asyncio.create_task(self._refresh())
             await asyncio.shield(self._refreshing)
             await asyncio.sleep(self.period)
+
+
+def shows_others(view: SwarmView, me: str) -> bool:
+    """Whether ``view`` holds any node's announcement but ``me``'s: a running swarm always shows someone (its
+    bootstraps announce themselves); a view showing nobody comes from a DHT that has not reached the swarm yet."""
+    return any(a.peer_id != me for a in view.announcements())
 
 
 def live_trainer(view: SwarmView, peer: str) -> bool:
