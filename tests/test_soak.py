@@ -247,3 +247,14 @@ def test_a_killed_node_takes_the_processes_that_left_its_group_along(tmp_path):
             time.sleep(0.05)
         assert not alive(escaped)
         assert swarm.leftovers() == {}
+
+
+def test_the_command_refuses_an_interval_shorter_than_a_downtime_before_starting_anything(tmp_path):
+    from click.testing import CliRunner
+
+    from sentinel_node.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "soak", "--interval", "10", "--workdir", str(tmp_path / "swarm")])
+    assert result.exit_code == 1
+    assert "must be shorter than the interval" in result.output
+    assert not (tmp_path / "swarm").exists()  # no swarm was started
