@@ -205,14 +205,15 @@ def test_microbatches_report_counts_nothing_twice():
 
 @pytest.mark.slow
 @pytest.mark.long
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_a_short_soak_keeps_every_invariant(tmp_path):
-    """A minute and a half of the real swarm, a fault every 30 s: seed 1 SIGKILLs verifier1, then stage2-1, and
-    restarts both (about 4 minutes on 2 idle cores, with the swarm's start; 10 on 2 cores at a load of 25)."""
+    """A minute and a half of the real swarm, a fault every 30 s: seed 1 SIGKILLs two nodes (verifier1 first; the
+    second among those up when it comes) and restarts both. About 4 minutes on 2 idle cores with the swarm's start;
+    16 at a load average of 38, where it found that a restarted replica's DHT reads may fail for over a minute."""
     from sentinel_node.bench.soak import Soak
 
     report = Soak(SoakSettings(minutes=1.5, interval_s=30, seed=1, workdir=tmp_path / "swarm")).run()
-    assert [(f.kind, f.target) for f in report.faults] == [("kill", "verifier1"), ("kill", "stage2-1")]
+    assert [f.kind for f in report.faults] == ["kill", "kill"] and report.faults[0].target == "verifier1"
     assert report.restarts == 2
     failed = [check for check in report.checks if not check.ok]
     assert not failed, failed
@@ -247,3 +248,14 @@ def test_a_killed_node_takes_the_processes_that_left_its_group_along(tmp_path):
             time.sleep(0.05)
         assert not alive(escaped)
         assert swarm.leftovers() == {}
+
+
+def test_the_command_refuses_an_interval_shorter_than_a_downtime_before_starting_anything(tmp_path):
+    from click.testing import CliRunner
+
+    from sentinel_node.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "soak", "--interval", "10", "--workdir", str(tmp_path / "swarm")])
+    assert result.exit_code == 1
+    assert "must be shorter than the interval" in result.output
+    assert not (tmp_path / "swarm").exists()  # no swarm was started
