@@ -112,7 +112,7 @@ class Network:
         """A veth pair: eth0 in ``namespace`` (address ``ip``), its other end a port of the hub's bridge. Both ends
         are created inside their namespaces, so no name ever exists in the root namespace."""
         port = f"p{len(self.namespaces)}"
-        sh("ip", "link", "add", "eth0", "netns", namespace, "type", "veth", "peer", "name", port, "netns", self.hub)
+        _veth(namespace, self.hub, port)
         sh(*self._in(self.hub), "ip", "link", "set", port, "master", "br0", "up")
         sh(*self._in(namespace), "ip", "addr", "add", f"{ip}/24", "dev", "eth0")
         sh(*self._in(namespace), "ip", "link", "set", "eth0", "up")
@@ -135,7 +135,7 @@ class Network:
             ip = self._address(HIDDEN_NET)
             # a veth pair straight to the router: the hidden net is the router's own
             port = f"h{len(self.namespaces)}"
-            sh("ip", "link", "add", "eth0", "netns", namespace, "type", "veth", "peer", "name", port, "netns", self.router)
+            _veth(namespace, self.router, port)
             sh(*self._in(self.router), "ip", "link", "set", port, "master", "brh", "up")
             sh(*self._in(namespace), "ip", "addr", "add", f"{ip}/24", "dev", "eth0")
             sh(*self._in(namespace), "ip", "link", "set", "eth0", "up")
@@ -191,6 +191,11 @@ class Network:
         """This network's namespaces that still exist (none after :meth:`close`)."""
         listed = sh("ip", "netns", "list")
         return [line.split()[0] for line in listed.splitlines() if line.startswith(f"{self.tag}-")]
+
+
+def _veth(namespace: str, other: str, port: str) -> None:
+    """A veth pair created with its ends already in their namespaces: eth0 in ``namespace``, ``port`` in ``other``."""
+    sh("ip", "link", "add", "eth0", "netns", namespace, "type", "veth", "peer", "name", port, "netns", other)
 
 
 def _cut_rules() -> Sequence[list[str]]:

@@ -51,7 +51,7 @@ from sentinel_node.roles.common import (
 )
 from sentinel_node.roles.metrics import serve_metrics
 from sentinel_node.roles.reachability import Reachability, check_reachability, report, serve_reachability
-from sentinel_node.roles.status import NodeStatus, write_status
+from sentinel_node.roles.status import MAX_LISTED, ConnectionsStatus, NodeStatus, write_status
 from sentinel_node.roles.views import ViewKeeper
 from sentinel_node.roles.wire import transport_settings
 from sentinel_node.transport import TensorServer
@@ -61,6 +61,8 @@ logger = get_logger(__name__)
 _HEALTH_CHECK_PERIOD = 1.0
 # The most a shutdown step that talks to p2pd may take.
 SHUTDOWN_STEP_S = 5.0
+CONNECTIONS_PERIOD_S = 2.0  # how often a node with a status file lists its libp2p connections
+CONNECTIONS_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -199,6 +201,7 @@ class Node:
         self.server: TensorServer | None = None
         self.reachability: Reachability | None = None
         self.announcer: Announcer | None = None
+        self.connections: ConnectionsStatus | None = None  # as last listed (status files only)
 
     @property
     def peer_id(self) -> str:
@@ -268,7 +271,21 @@ class Node:
     def write_status(self) -> None:
         status = self.status() if self.status_file is not None else None
         if status is not None:
+            if self.connections is not None:
+                status = status.model_copy(update={"connections": self.connections})
             write_status(self.status_file, status)
+
+    async def list_connections(self) -> None:
+        """Which peers this node is connected to directly and which only through a relay (for the status file: a
+        node behind a NAT shows how it is reached)."""
+        if self.p2p is None or not self.context.reachable():
+            return
+        addresses: dict[str, list[str]] = {}
+        for info in await asyncio.wait_for(self.p2p.list_peers(), CONNECTIONS_TIMEOUT_S):
+            addresses.setdefault(str(info.peer_id), []).extend(str(a) for a in info.addrs)
+        relayed = sorted(p for p, addrs in addresses.items() if addrs and all("/p2p-circuit" in a for a in addrs))
+        direct = sorted(p for p in addresses if p not in relayed)
+        self.connections = ConnectionsStatus(direct=direct[:MAX_LISTED], relayed=relayed[:MAX_LISTED])
 
     async def serve(self, on_ready: Callable[[str, list[str]], None]) -> Any:
         context = self.context
@@ -307,6 +324,8 @@ class Node:
             if self.keeps_view:
                 tasks.append(asyncio.create_task(self.views.run()))
             tasks += [asyncio.create_task(coroutine) for coroutine in self.background()]
+            if self.status_file is not None:
+                tasks.append(asyncio.create_task(periodically(CONNECTIONS_PERIOD_S, self.list_connections)))
             logger.info(self.ready_line())
             for line in self.describe():
                 logger.info(line)
