@@ -124,9 +124,11 @@ class Network:
         self._next_ip[net] = last + 1
         return f"{net}.{last}"
 
-    def add(self, name: str, hidden: bool = False) -> Host:
+    def add(self, name: str, hidden: bool = False, dials: Sequence[str] | None = None) -> Host:
         """A host on the hub's net, or with ``hidden`` behind the NAT router: it can open connections to the hub's
-        hosts (masqueraded as the router's address) and nobody there can open one to it."""
+        hosts (masqueraded as the router's address) and nobody there can open one to it. ``dials``: the hub
+        addresses a hidden host may open connections to (None: any); the router resets the others at once, as a
+        strict firewall does, so the host reaches everyone else only over connections they open through a relay."""
         if name in self.hosts:
             raise ValueError(f"a host named {name} exists already")
         namespace = self._namespace(name)
@@ -140,6 +142,14 @@ class Network:
             sh(*self._in(namespace), "ip", "addr", "add", f"{ip}/24", "dev", "eth0")
             sh(*self._in(namespace), "ip", "link", "set", "eth0", "up")
             sh(*self._in(namespace), "ip", "route", "add", "default", "via", ROUTER_HIDDEN_IP)
+            if dials is not None:
+                rules = [["-s", ip, "-d", allowed, "-j", "ACCEPT"] for allowed in dials]
+                rules += [
+                    ["-s", ip, "-p", "tcp", "-j", "REJECT", "--reject-with", "tcp-reset"],
+                    ["-s", ip, "-j", "DROP"],
+                ]
+                for rule in rules:
+                    sh(*self._in(self.router), "iptables", "-A", "FORWARD", *rule)
         else:
             ip = self._address(HUB_NET)
             self._link_to_hub(namespace, ip)

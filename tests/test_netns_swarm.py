@@ -30,12 +30,13 @@ from sentinel_node.demo import DEMO_CONFIG_PATH, Demo, DemoSettings
 from sentinel_node.roles.status import StageStatus, VerifierStatus
 from sentinel_node.supervisor import Placement
 
-STEPS = 40
+STEPS = 24
 CUT_STAGE_AT = 3  # step at which stage0-1 is cut off
-PARTITION_S = 20.0  # longer than the demo config's announce_ttl (12 s): the cut node drops out of every view
+PARTITION_S = 16.0  # longer than the demo config's announce_ttl (12 s): the cut node drops out of every view
 AFTER_HEAL = 3  # steps the healed stage replica serves before the verifier is cut
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# the swarm starts and trains in the fixture: about N minutes on two idle cores, more when they are shared
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +161,10 @@ def test_every_view_converges_with_nobody_honest_excluded_or_struck(swarm):
     views = swarm.views()
     assert set(views) == {"stage0-0", "stage0-1", "stage1-0", "verifier0", "verifier1", "trainer"}
     assert all(view == [] for view in views.values()), views
+    # the strike records every node reads are the same, and none holds a strike (audits publish records too)
+    strikes = {name: swarm.node(name).status().strikes for name in views}
+    assert len({repr(sorted(s.items())) for s in strikes.values()}) == 1, strikes
+    assert all(n == 0 for s in strikes.values() for by in s.values() for n in by.values()), strikes
     assert result.honest_excluded == [] and result.honest_peers_with_strikes == {}
     assert result.verifier_checks > 0
 
@@ -172,7 +177,13 @@ def test_a_node_behind_a_nat_is_reached_through_a_relay(swarm):
     log = hidden.log_tail(200000)
     assert "other peers cannot connect to this node" in log and "this node uses auto-relay" in log
     assert "announced as relayed" in log
-    # it served every microbatch of the last stage
+    # it served every microbatch of the last stage, to callers that cannot dial it: over the connections it opened
+    # to them through the NAT (libp2p reuses a connection either side opened). No relay circuit was ever listed:
+    # see docs/reliability.md, "Partitions across network namespaces", for why none is set up
     assert status.served >= STEPS * swarm.config.pipeline.microbatches_per_step
+    listed = [moment["status"]["stage1-0"].connections for moment in swarm.chaos.moments.values()]
+    assert None not in listed, listed
+    direct = {peer for connections in listed for peer in connections.direct}
+    assert {swarm.peer(name) for name in ("verifier0", "verifier1", "trainer")} <= direct, listed
     for name in ("verifier0", "verifier1"):
         assert isinstance(swarm.node(name).status(), VerifierStatus)

@@ -142,3 +142,21 @@ def test_an_unreachable_node_says_what_to_open_and_is_announced_relayed(tmp_path
         assert peers.returncode == 0, peers.stderr
         relayed = {row["peer_id"]: row["relayed"] for row in json.loads(peers.stdout)["peers"]}
         assert relayed[hidden.peer_id] is True and relayed[open_.peer_id] is False
+
+
+def test_connections_through_a_relay_are_told_from_direct_ones():
+    from sentinel_node.roles.node import classify_connections
+
+    relay = "QmRelayRelayRelayRelayRelayRelayRelayRelayRel"
+    circuit = f"/ip4/10.213.0.1/tcp/4001/p2p/{relay}/p2p-circuit"
+    listed = classify_connections(
+        [
+            (PEER, [circuit]),
+            (relay, ["/ip4/10.213.0.1/tcp/4001"]),
+            ("QmBoth", [circuit]),
+            ("QmBoth", ["/ip4/10.213.0.9/tcp/5"]),  # one direct connection besides the relayed one: direct
+            ("QmNone", []),
+        ]
+    )
+    assert listed.relayed == [PEER]
+    assert listed.direct == sorted(["QmBoth", "QmNone", relay])

@@ -25,7 +25,7 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -184,6 +184,17 @@ def _quiet_lost_connections(loop: asyncio.AbstractEventLoop, context: dict) -> N
     loop.default_exception_handler(context)
 
 
+def classify_connections(connections: Iterable[tuple[str, list[str]]]) -> ConnectionsStatus:
+    """Peers by how this node is connected to them, from (peer id, remote addresses) per connection as p2pd lists
+    them: relayed when every connection to the peer runs through a relay (its address a ``/p2p-circuit``)."""
+    addresses: dict[str, list[str]] = {}
+    for peer, addrs in connections:
+        addresses.setdefault(peer, []).extend(addrs)
+    relayed = sorted(p for p, addrs in addresses.items() if addrs and all("/p2p-circuit" in a for a in addrs))
+    direct = sorted(p for p in addresses if p not in relayed)
+    return ConnectionsStatus(direct=direct[:MAX_LISTED], relayed=relayed[:MAX_LISTED])
+
+
 class Node:
     """One role on a started node; :meth:`serve` runs the lifecycle above. Subclasses set :attr:`role` and
     override the hooks they need; every hook has a do-nothing default."""
@@ -280,12 +291,8 @@ class Node:
         node behind a NAT shows how it is reached)."""
         if self.p2p is None or not self.context.reachable():
             return
-        addresses: dict[str, list[str]] = {}
-        for info in await asyncio.wait_for(self.p2p.list_peers(), CONNECTIONS_TIMEOUT_S):
-            addresses.setdefault(str(info.peer_id), []).extend(str(a) for a in info.addrs)
-        relayed = sorted(p for p, addrs in addresses.items() if addrs and all("/p2p-circuit" in a for a in addrs))
-        direct = sorted(p for p in addresses if p not in relayed)
-        self.connections = ConnectionsStatus(direct=direct[:MAX_LISTED], relayed=relayed[:MAX_LISTED])
+        infos = await asyncio.wait_for(self.p2p.list_peers(), CONNECTIONS_TIMEOUT_S)
+        self.connections = classify_connections((str(info.peer_id), [str(a) for a in info.addrs]) for info in infos)
 
     async def serve(self, on_ready: Callable[[str, list[str]], None]) -> Any:
         context = self.context
