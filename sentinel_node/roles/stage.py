@@ -22,7 +22,9 @@ replica averages its parameters with the stage's other live replicas (see :mod:`
 State: with ``--state-dir`` the replica resumes from its newest checkpoint there, and saves one every
 ``checkpoint_every`` global steps and on shutdown (see :mod:`sentinel_node.roles.replica_state`). Before it
 serves, it downloads the stage's state from a live replica the swarm view names and keeps it when it is ahead of
-its own; it then shares its own state with replicas that join later.
+its own; it then shares its own state with replicas that join later. A call showing that it missed whole global
+steps while serving (it was cut off from the swarm) makes it take a live replica's newer state the same way, taking
+no training microbatch meanwhile.
 
 Placement: without ``--stage`` the node reads the swarm view first and takes the stage that needs it most
 (:func:`peers.placement.choose_stage`), announces itself ``joining`` there while it syncs, then serves; every
