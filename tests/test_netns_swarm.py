@@ -35,8 +35,9 @@ CUT_STAGE_AT = 3  # step at which stage0-1 is cut off
 PARTITION_S = 16.0  # longer than the demo config's announce_ttl (12 s): the cut node drops out of every view
 AFTER_HEAL = 3  # steps the healed stage replica serves before the verifier is cut
 
-# the swarm starts and trains in the fixture: about N minutes on two idle cores, more when they are shared
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# the swarm starts and trains in the fixture; on two cores shared with other swarms (load 25-40) that took 12-15
+# minutes, so the limit leaves room (see docs/reliability.md for the measured times)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
 @pytest.fixture(scope="module")
