@@ -45,6 +45,7 @@ from sentinel_node.roles.common import (
     p2pd_of,
     peer_ids_of,
     record_store,
+    rejoin_if_alone,
     software_version,
     start_dht,
     stop_dht,
@@ -63,6 +64,7 @@ _HEALTH_CHECK_PERIOD = 1.0
 SHUTDOWN_STEP_S = 5.0
 CONNECTIONS_PERIOD_S = 2.0  # how often a node with a status file lists its libp2p connections
 CONNECTIONS_TIMEOUT_S = 5.0
+REJOIN_PERIOD_S = 3.0  # how often a node checks that its DHT still has a neighbour
 
 
 @dataclass
@@ -286,6 +288,17 @@ class Node:
                 status = status.model_copy(update={"connections": self.connections})
             write_status(self.status_file, status)
 
+    async def _rejoin(self) -> None:
+        """Back in touch with the swarm through the initial peers once the DHT lost every neighbour (a partition)."""
+        if not self.context.reachable():
+            return
+        answered = await asyncio.to_thread(rejoin_if_alone, self.context.dht, self.context.options.initial_peers)
+        if answered:  # none answering (still cut off) is tried again, quietly
+            logger.warning(
+                f"this node's DHT had lost every neighbour (cut off from the swarm?); {answered} of "
+                f"{len(self.context.options.initial_peers)} initial peers answered its rejoin"
+            )
+
     async def list_connections(self) -> None:
         """Which peers this node is connected to directly and which only through a relay (for the status file: a
         node behind a NAT shows how it is reached)."""
@@ -333,6 +346,8 @@ class Node:
             tasks += [asyncio.create_task(coroutine) for coroutine in self.background()]
             if self.status_file is not None:
                 tasks.append(asyncio.create_task(periodically(CONNECTIONS_PERIOD_S, self.list_connections)))
+            if context.options.initial_peers:
+                tasks.append(asyncio.create_task(periodically(REJOIN_PERIOD_S, self._rejoin)))
             logger.info(self.ready_line())
             for line in self.describe():
                 logger.info(line)
