@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +28,16 @@ from sentinel_node.roles.status import StageStatus, TrainerStatus, VerifierStatu
 
 CLI = [sys.executable, "-c", "from sentinel_node.cli import main; main()"]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a node runs: ``prefix`` goes before its command (e.g. ``ip netns exec NS``, which execs the node in
+    place, so the process and its group stay the node's own) and it listens on ``host`` (an IPv4 address)."""
+
+    prefix: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    args: tuple[str, ...] = ()  # join options the place needs (e.g. --use-auto-relay behind a NAT)
 
 
 class SwarmStartError(RuntimeError):
@@ -94,8 +104,12 @@ class NodeProcess:
 class LocalSwarm:
     """Nodes of one swarm started on this machine; :meth:`stop` (or leaving the ``with`` block) ends them all."""
 
-    def __init__(self, workdir: Path, config_path: Path) -> None:
+    def __init__(
+        self, workdir: Path, config_path: Path, placement: Callable[[str], Placement | None] | None = None
+    ) -> None:
+        """``placement`` says, by node name, where each node runs (None, or no placement: on loopback here)."""
         self.workdir, self.config_path = Path(workdir), Path(config_path)
+        self.placement = placement
         self.nodes: dict[str, NodeProcess] = {}
         # pid -> start time: a pid seen once may later name another process, which must never be signalled
         self._descendants: dict[int, int] = {}
@@ -118,7 +132,8 @@ class LocalSwarm:
         self, name: str, role: str, *args: str, metrics: bool = False, config: Path | None | bool = True
     ) -> NodeProcess:
         """Starts a node (without waiting for it); its stderr goes to ``logs/NAME.log``. With ``metrics``, it
-        serves Prometheus metrics on a free port of this machine (``node.metrics_port``). ``config``: True for
+        serves Prometheus metrics on a free port of this machine (``node.metrics_port``; on loopback, so only for
+        nodes placed on this host's own network). ``config``: True for
         the swarm's config file, a path for another, False for none (the node runs the config the swarm
         publishes)."""
         if name in self.nodes:
@@ -127,7 +142,9 @@ class LocalSwarm:
         (self.workdir / "status").mkdir(parents=True, exist_ok=True)
         status_path = self.workdir / "status" / f"{name}.json"
         metrics_port = free_port() if metrics else None
+        placement = (self.placement(name) if self.placement else None) or Placement()
         command = [
+            *placement.prefix,
             *CLI,
             "join",
             "--role",
@@ -136,10 +153,11 @@ class LocalSwarm:
             "--identity",
             str(self.identity(name)),
             "--host-maddrs",
-            LOOPBACK,
+            f"/ip4/{placement.host}/tcp/0",
             *(["--initial-peers", *self.initial_peers] if self.initial_peers else []),
             *([] if role == "bootstrap" else ["--status-file", str(status_path)]),
             *([] if metrics_port is None else ["--metrics-port", str(metrics_port)]),
+            *placement.args,
             *args,
         ]
         node = self._launch(name, role, command, status_path)

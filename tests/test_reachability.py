@@ -142,3 +142,52 @@ def test_an_unreachable_node_says_what_to_open_and_is_announced_relayed(tmp_path
         assert peers.returncode == 0, peers.stderr
         relayed = {row["peer_id"]: row["relayed"] for row in json.loads(peers.stdout)["peers"]}
         assert relayed[hidden.peer_id] is True and relayed[open_.peer_id] is False
+
+
+def test_connections_through_a_relay_are_told_from_direct_ones():
+    from sentinel_node.roles.node import classify_connections
+
+    relay = "QmRelayRelayRelayRelayRelayRelayRelayRelayRel"
+    circuit = f"/ip4/10.213.0.1/tcp/4001/p2p/{relay}/p2p-circuit"
+    listed = classify_connections(
+        [
+            (PEER, [circuit]),
+            (relay, ["/ip4/10.213.0.1/tcp/4001"]),
+            ("QmBoth", [circuit]),
+            ("QmBoth", ["/ip4/10.213.0.9/tcp/5"]),  # one direct connection besides the relayed one: direct
+            ("QmNone", []),
+        ]
+    )
+    assert listed.relayed == [PEER]
+    assert listed.direct == sorted(["QmBoth", "QmNone", relay])
+
+
+async def _forget_everyone(_dht, node) -> int:
+    """As a partition leaves a node's routing table: every neighbour dropped (hivemind drops one per failed call)."""
+    table = node.protocol.routing_table
+    for uid in list(table.uid_to_peer_id):
+        del table[uid]
+    return len(table.uid_to_peer_id)
+
+
+async def _neighbours(_dht, node) -> int:
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+def test_a_node_that_lost_every_neighbour_rejoins_through_its_initial_peers(tmp_path):
+    from sentinel_node.roles.common import rejoin_if_alone
+
+    config = load_config(DEMO_CONFIG_PATH)
+    a = start_dht(config, create_identity_file(tmp_path / "a.key"), check_identity=False)
+    peers = [str(m) for m in a.get_visible_maddrs()]
+    b = start_dht(config, create_identity_file(tmp_path / "b.key"), initial_peers=peers, check_identity=False)
+    try:
+        assert b.run_coroutine(_neighbours) >= 1
+        assert rejoin_if_alone(b, peers) is None  # not alone: nothing done
+        assert b.run_coroutine(_forget_everyone) == 0
+        assert rejoin_if_alone(b, peers) == 1
+        assert b.run_coroutine(_neighbours) >= 1
+        assert rejoin_if_alone(b, []) is None  # nobody to rejoin through
+    finally:
+        for dht in (b, a):
+            stop_dht(dht)

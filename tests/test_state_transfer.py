@@ -204,3 +204,39 @@ def test_a_periodic_checkpoint_is_written_in_the_background_from_a_copy(tmp_path
     state.save()  # shutdown: step 1, now
     assert [s for s, _ in list_checkpoints(tmp_path)] == [0, 1] and state.saved == 2
     state.close()
+
+
+class _Averager:
+    """What ReplicaState asks an averager for: a peer's packed state (None: the peer gave none)."""
+
+    def __init__(self, states: dict) -> None:
+        self.states = states
+
+    def download_state(self, peer: str, timeout: float, max_bytes: int):
+        return self.states.get(peer)
+
+
+def test_a_replica_that_missed_steps_takes_the_state_of_a_replica_past_them(sender):
+    """Issue 14, item 2: a replica cut off from the swarm for some steps takes a live replica's newer state when it
+    is back; a state not past the step it stopped at, or none at all, is not taken."""
+    import asyncio
+
+    from sentinel_node.roles.compute import ComputeLane
+    from sentinel_node.roles.replica_state import ReplicaState
+
+    behind = worker()
+    train(behind, range(1))
+    state = ReplicaState(behind, HASH)
+    state.step = 6  # it applied the step call that came after the gap, on parameters of step 0
+    lane = ComputeLane("test")
+    try:
+        old = _Averager({"old": over_the_wire(*pack_state(capture_state(sender, 0, HASH)))})
+        assert not asyncio.run(state.resync(["silent", "old"], old, lane, newer_than=0))
+        assert state.resyncs == 0 and state.synced_from is None
+        live = _Averager({"live": over_the_wire(*pack_state(capture_state(sender, 5, HASH)))})
+        # newer than step 0, though not newer than its own step 6: taken
+        assert asyncio.run(state.resync(["silent", "live"], live, lane, newer_than=0))
+        assert state.resyncs == 1 and state.synced_from == "live" and state.step == 5
+        assert_same_state(sender, behind)
+    finally:
+        lane.close()

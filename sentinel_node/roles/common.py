@@ -19,10 +19,12 @@ import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import FrameType
 
 import hivemind
+from hivemind.p2p import PeerID
 from hivemind.utils import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -203,6 +205,32 @@ def p2pd_of(dht: hivemind.DHT) -> int | None:
     if dht.pid is None:
         return None
     return next((pid for pid in descendants(dht.pid) if command_name(pid) == "p2pd"), None)
+
+
+async def _rejoin(initial_peers: list[str], _dht: hivemind.DHT, node) -> int | None:
+    """In the DHT's process: when its routing table is empty, pings the initial peers (which puts each in the table
+    and this node in theirs); returns how many answered, None when the table was not empty."""
+    table = node.protocol.routing_table
+    if table.uid_to_peer_id:
+        return None
+    answered = 0
+    for peer in peer_ids_of(initial_peers):
+        answered += await node.protocol.call_ping(PeerID.from_base58(peer), validate=False, strict=False) is not None
+    return answered
+
+
+def rejoin_if_alone(dht: hivemind.DHT, initial_peers: Iterable[str], timeout: float = 10.0) -> int | None:
+    """Puts a DHT node whose routing table emptied back in touch with the swarm through its initial peers.
+
+    hivemind drops a peer from the routing table on its first unanswered request and never falls back on the
+    initial peers, so a node cut off for a while (a partition longer than a few requests) ends with an empty table:
+    healed, it stores its announcements only locally and reads only its own records, and the others, who dropped it
+    too, never call it again (seen: a verifier healed after 16 s relayed nothing for the rest of the run). Returns how
+    many initial peers answered, or None when the table was not empty."""
+    peers = list(initial_peers)
+    if not peers:
+        return None
+    return dht.run_coroutine(partial(_rejoin, peers), return_future=True).result(timeout=timeout)
 
 
 def stop_dht(dht: hivemind.DHT, p2pd: int | None = None) -> None:

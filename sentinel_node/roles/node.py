@@ -25,7 +25,7 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -45,13 +45,14 @@ from sentinel_node.roles.common import (
     p2pd_of,
     peer_ids_of,
     record_store,
+    rejoin_if_alone,
     software_version,
     start_dht,
     stop_dht,
 )
 from sentinel_node.roles.metrics import serve_metrics
 from sentinel_node.roles.reachability import Reachability, check_reachability, report, serve_reachability
-from sentinel_node.roles.status import NodeStatus, write_status
+from sentinel_node.roles.status import MAX_LISTED, ConnectionsStatus, NodeStatus, write_status
 from sentinel_node.roles.views import ViewKeeper
 from sentinel_node.roles.wire import transport_settings
 from sentinel_node.transport import TensorServer
@@ -61,6 +62,9 @@ logger = get_logger(__name__)
 _HEALTH_CHECK_PERIOD = 1.0
 # The most a shutdown step that talks to p2pd may take.
 SHUTDOWN_STEP_S = 5.0
+CONNECTIONS_PERIOD_S = 2.0  # how often a node with a status file lists its libp2p connections
+CONNECTIONS_TIMEOUT_S = 5.0
+REJOIN_PERIOD_S = 3.0  # how often a node checks that its DHT still has a neighbour
 
 
 @dataclass
@@ -182,6 +186,17 @@ def _quiet_lost_connections(loop: asyncio.AbstractEventLoop, context: dict) -> N
     loop.default_exception_handler(context)
 
 
+def classify_connections(connections: Iterable[tuple[str, list[str]]]) -> ConnectionsStatus:
+    """Peers by how this node is connected to them, from (peer id, remote addresses) per connection as p2pd lists
+    them: relayed when every connection to the peer runs through a relay (its address a ``/p2p-circuit``)."""
+    addresses: dict[str, list[str]] = {}
+    for peer, addrs in connections:
+        addresses.setdefault(peer, []).extend(addrs)
+    relayed = sorted(p for p, addrs in addresses.items() if addrs and all("/p2p-circuit" in a for a in addrs))
+    direct = sorted(p for p in addresses if p not in relayed)
+    return ConnectionsStatus(direct=direct[:MAX_LISTED], relayed=relayed[:MAX_LISTED])
+
+
 class Node:
     """One role on a started node; :meth:`serve` runs the lifecycle above. Subclasses set :attr:`role` and
     override the hooks they need; every hook has a do-nothing default."""
@@ -199,6 +214,7 @@ class Node:
         self.server: TensorServer | None = None
         self.reachability: Reachability | None = None
         self.announcer: Announcer | None = None
+        self.connections: ConnectionsStatus | None = None  # as last listed (status files only)
 
     @property
     def peer_id(self) -> str:
@@ -268,7 +284,28 @@ class Node:
     def write_status(self) -> None:
         status = self.status() if self.status_file is not None else None
         if status is not None:
+            if self.connections is not None:
+                status = status.model_copy(update={"connections": self.connections})
             write_status(self.status_file, status)
+
+    async def _rejoin(self) -> None:
+        """Back in touch with the swarm through the initial peers once the DHT lost every neighbour (a partition)."""
+        if not self.context.reachable():
+            return
+        answered = await asyncio.to_thread(rejoin_if_alone, self.context.dht, self.context.options.initial_peers)
+        if answered:  # none answering (still cut off) is tried again, quietly
+            logger.warning(
+                f"this node's DHT had lost every neighbour (cut off from the swarm?); {answered} of "
+                f"{len(self.context.options.initial_peers)} initial peers answered its rejoin"
+            )
+
+    async def list_connections(self) -> None:
+        """Which peers this node is connected to directly and which only through a relay (for the status file: a
+        node behind a NAT shows how it is reached)."""
+        if self.p2p is None or not self.context.reachable():
+            return
+        infos = await asyncio.wait_for(self.p2p.list_peers(), CONNECTIONS_TIMEOUT_S)
+        self.connections = classify_connections((str(info.peer_id), [str(a) for a in info.addrs]) for info in infos)
 
     async def serve(self, on_ready: Callable[[str, list[str]], None]) -> Any:
         context = self.context
@@ -307,6 +344,10 @@ class Node:
             if self.keeps_view:
                 tasks.append(asyncio.create_task(self.views.run()))
             tasks += [asyncio.create_task(coroutine) for coroutine in self.background()]
+            if self.status_file is not None:
+                tasks.append(asyncio.create_task(periodically(CONNECTIONS_PERIOD_S, self.list_connections)))
+            if context.options.initial_peers:
+                tasks.append(asyncio.create_task(periodically(REJOIN_PERIOD_S, self._rejoin)))
             logger.info(self.ready_line())
             for line in self.describe():
                 logger.info(line)

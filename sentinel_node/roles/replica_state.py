@@ -52,7 +52,8 @@ class ReplicaState:
         self.lock = threading.Lock()
         self.step = -1  # the global step the parameters are at
         self.resumed_from: int | None = None  # the checkpoint's step this replica started from
-        self.synced_from: str | None = None  # the replica whose state this one took when it joined
+        self.synced_from: str | None = None  # the replica whose state this one took last (joining, or after a gap)
+        self.resyncs = 0  # states taken after this replica missed steps while it served (cut off from the swarm)
         self.saved = 0
         self.failed = 0  # checkpoints that could not be written
         self.problem: str | None = None  # why the last one could not be written, until one is
@@ -154,27 +155,40 @@ class ReplicaState:
             )
         logger.warning(f"stage {self.stage}: no live replica gave a usable state; going on from step {self.step}")
 
-    async def _take_from(self, peer: str, averager: ReplicaAverager, lane: ComputeLane) -> bool:
-        """Whether ``peer``'s state was taken, or was not ahead of this replica's own."""
+    async def resync(self, peers: list[str], averager: ReplicaAverager, lane: ComputeLane, newer_than: int) -> bool:
+        """Takes the stage's state from the first of ``peers`` whose state is newer than step ``newer_than`` (the last
+        step this replica really applied before it missed some): whether one was taken."""
+        for peer in peers:
+            if await self._take_from(peer, averager, lane, newer_than) == "taken":
+                self.resyncs += 1
+                return True
+        return False
+
+    async def _take_from(
+        self, peer: str, averager: ReplicaAverager, lane: ComputeLane, newer_than: int | None = None
+    ) -> str | None:
+        """ "taken" when ``peer``'s state was taken, "not newer" when it was not newer than step ``newer_than``
+        (default: this replica's own step), None when it gave no usable state."""
+        newer_than = self.step if newer_than is None else newer_than
         state = await asyncio.to_thread(averager.download_state, peer, STATE_DOWNLOAD_TIMEOUT_S, self._max_bytes())
         if state is None:
-            return False
+            return None
         origin = f"the state of stage {self.stage} replica {peer}"
         try:
             groups = self.worker.optimizer.state_dict()["param_groups"]
             payload = unpack_state(*state, origin=origin, param_groups=groups)
             step = payload["step"]
-            if not isinstance(step, int) or step <= self.step:
+            if not isinstance(step, int) or step <= newer_than:
                 logger.info(f"stage {self.stage}: {origin} is at step {step}, not ahead of this one's; keeping ours")
-                return True
+                return "not newer"
             fix = "it cannot be used; trying another replica"
             await lane.run(restore_state, self.worker, payload, origin, self.config_hash, fix, True)
         except CheckpointError as e:
             logger.warning(str(e))
-            return False
+            return None
         self.step, self.synced_from = step, peer
         logger.info(f"stage {self.stage}: took the state at step {step} from replica {peer}")
-        return True
+        return "taken"
 
     def _max_bytes(self) -> int:
         """A bound on what a peer may send: 4x this replica's parameters and moments (moments may not exist yet)."""

@@ -22,7 +22,9 @@ replica averages its parameters with the stage's other live replicas (see :mod:`
 State: with ``--state-dir`` the replica resumes from its newest checkpoint there, and saves one every
 ``checkpoint_every`` global steps and on shutdown (see :mod:`sentinel_node.roles.replica_state`). Before it
 serves, it downloads the stage's state from a live replica the swarm view names and keeps it when it is ahead of
-its own; it then shares its own state with replicas that join later.
+its own; it then shares its own state with replicas that join later. A call showing that it missed whole global
+steps while serving (it was cut off from the swarm) makes it take a live replica's newer state the same way, taking
+no training microbatch meanwhile.
 
 Placement: without ``--stage`` the node reads the swarm view first and takes the stage that needs it most
 (:func:`peers.placement.choose_stage`), announces itself ``joining`` there while it syncs, then serves; every
@@ -113,6 +115,7 @@ MOVE_DRAIN_S = 30.0
 # reads may time out for a while (at a load average of 38 on 2 cores a restarted replica's failed for over 60 s).
 SWARM_READ_TIMEOUT_S = 300.0
 SWARM_READ_REPORT_S = 15.0  # it says it is waiting this often
+RESYNC_DRAIN_S = 20.0  # the most a resync waits for the microbatches in flight before it replaces the parameters
 
 
 @dataclass(frozen=True)
@@ -340,6 +343,7 @@ class StageNode(Node):
         self._reported_at = time.monotonic()
         self.move: Move | None = None  # set when the replica decided to serve another stage
         self.leaving = False  # it takes no new microbatch: it is about to move
+        self.resyncing: asyncio.Task | None = None  # taking the stage's state after missing steps (_notice_missed)
         self.in_flight = 0
         self.recompute = StageRecompute(self)  # recomputation audits (sentinel_node/roles/audits.py)
         self.lies_in_audits = lies_in_audits(attackers)  # a red-team replica may lie as an auditor
@@ -431,6 +435,8 @@ class StageNode(Node):
     async def stopping(self) -> None:
         if self.averaging is not None:
             self.averaging.cancel()
+        if self.resyncing is not None:
+            self.resyncing.cancel()
 
     async def finish(self) -> None:
         with contextlib.suppress(Exception):  # a failed save is logged inside; the stop goes on
@@ -548,6 +554,7 @@ class StageNode(Node):
             last_step=self.last_step,
             resumed_from=self.state.resumed_from,
             synced_from=self.state.synced_from,
+            resyncs=self.state.resyncs,
             checkpoints=self.state.saved,
             checkpoint_failures=self.state.failed,
             checkpoint_problem=self.state.problem,
@@ -587,6 +594,8 @@ class StageNode(Node):
     def _authorize(self, caller: str, metadata: PipelineRequest) -> None:
         if self.leaving and metadata.train:
             raise HopUnavailable(f"this replica of stage {self.stage} is moving to another stage; try another")
+        if self.resyncing is not None and metadata.train:
+            raise HopUnavailable(f"this replica of stage {self.stage} is taking the stage's state; try another")
         if not self.worker.is_last:
             if not metadata.route:
                 raise HopRefused(f"stage {self.stage} is not the last stage: the route must name the next hop")
@@ -753,13 +762,55 @@ class StageNode(Node):
 
     async def _catch_up(self, step: int) -> None:
         """A microbatch of a later step means the trainer moved on: apply a step call that never arrived."""
+        self._notice_missed(step)
         if step > self.last_step + 1 and self.worker.accumulated:
             logger.info(f"stage {self.stage}: no step call for step {step - 1}; applying it now")
             await self._apply_step(step - 1)
 
+    def _notice_missed(self, step: int) -> None:
+        """A call for ``step`` that shows this replica missed whole global steps (no step call and no microbatch of
+        theirs reached it: it was cut off from the swarm) starts a resync: serving on, its parameters would lag the
+        stage's by those steps, and the next averaging round would drag the live replicas back towards them."""
+        covered = self.last_step + 1 + (1 if self.worker.accumulated else 0)  # a step call missed, its work here
+        if step <= covered or self.resyncing is not None or self.averager is None or self.last_step < 0:
+            return
+        self.resyncing = asyncio.create_task(self._resync(self.last_step, step))
+
+    async def _resync(self, behind: int, step: int) -> None:
+        """Takes no new training microbatch, lets those in flight finish, then takes the stage's state from a live
+        replica that is past step ``behind`` (the last step this replica applied before the gap)."""
+        logger.warning(
+            f"stage {self.stage}: a call for step {step} came after step {behind}: this replica missed "
+            f"{step - behind - 1} global step(s), cut off from the swarm; taking the stage's state from a live replica"
+        )
+        try:
+            deadline = time.monotonic() + RESYNC_DRAIN_S
+            while self.in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            view = await self.views.refresh(force=True)
+            peers = [
+                a.peer_id for a in view.live_replicas(self.stage) if a.peer_id != self.peer_id and a.last_step > behind
+            ]
+            if not peers:
+                logger.warning(f"stage {self.stage}: no live replica is past step {behind}; serving on with ours")
+                return
+            if await self.state.resync(peers, self.averager, self.lane, behind):
+                self.worker.reference.clear()  # not the parameters its reference was kept for: none until it averages
+                self.worker.accumulated = 0  # gradients of the parameters it had (restore_state cleared them)
+                self._averaged = None  # a round of the old parameters: merging it would undo the resync
+                with self.state.lock:
+                    self.last_step = max(self.last_step, self.state.step)
+            else:
+                logger.warning(f"stage {self.stage}: no live replica gave its state; serving on with ours")
+        except Exception as e:
+            logger.warning(f"stage {self.stage}: the resync failed: {type(e).__name__}: {e}; serving on with ours")
+        finally:
+            self.resyncing = None
+
     async def _apply_step(self, step: int) -> bool:
         if step <= self.last_step:
             return False
+        self._notice_missed(step)
         self.last_step = step
         stepped = await self._compute(self._step_and_merge, step)
         self.stats["steps"] += int(stepped)

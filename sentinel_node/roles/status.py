@@ -31,6 +31,18 @@ class ReachabilityStatus(_Model):
     reachable_at: list[str]
 
 
+class ConnectionsStatus(_Model):
+    """The peers this node's libp2p host had open connections with, the last time it looked: ``relayed`` are those
+    reached only through a relay (every connection a ``/p2p-circuit``), ``direct`` the others (its own dials, or
+    dials to it, NATed or not). At most :data:`MAX_LISTED` of each."""
+
+    direct: list[str]
+    relayed: list[str]
+
+
+MAX_LISTED = 64
+
+
 class NodeStatus(_Model):
     """What every role reports: who it is, when it wrote this, and what it sees of the swarm's verdicts."""
 
@@ -40,6 +52,7 @@ class NodeStatus(_Model):
     strikes: dict[str, dict[str, int]] = Field(
         default_factory=dict, description="accused peer -> verifier -> strikes, in this node's view"
     )
+    connections: ConnectionsStatus | None = None  # None until the node first listed its connections
 
     @staticmethod
     def view_fields(view: SwarmView) -> dict:
@@ -60,6 +73,7 @@ class StageStatus(NodeStatus):
     last_step: int
     resumed_from: int | None
     synced_from: str | None
+    resyncs: int = 0  # states it took from a live replica after it missed global steps while serving
     checkpoints: int
     checkpoint_failures: int = 0
     checkpoint_problem: str | None = None  # why the last checkpoint could not be written, until one is
