@@ -42,7 +42,12 @@ def main() -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
     settings = DemoSettings(
-        steps=args.steps, attack="random", attack_target="activation", config_path=config_path, workdir=workdir
+        steps=args.steps,
+        attack="random",
+        attack_target="activation",
+        config_path=config_path,
+        workdir=workdir,
+        start_timeout=900.0,  # a loaded machine
     )
     lives: list[dict] = []
     with Demo(settings, echo=lambda line: print(line, file=sys.stderr)) as demo:
@@ -71,7 +76,7 @@ def main() -> int:
             create_identity_file(demo.swarm.identity(name))  # a fresh key: a new peer id
             attack = ["--attack", "random", "--attack-target", "activation", "--attack-start", "0"]
             started = demo.swarm.start(name, "stage", "--stage", "1", *attack)
-            demo.swarm.wait_ready([started], 120)
+            demo.swarm.wait_ready([started], 900)
             attacker.update(name=name, peer=started.peer_id, since=_serving_step(demo))
 
         demo.train(on_step=on_step)
