@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -107,6 +108,7 @@ class SwarmWatcher:
         self._view = SwarmView(n_stages)
         self._accused: set[str] = set()
         self._first_seen: dict[str, float] = {}
+        self._turn = 0  # refreshes so far: whose strike keys a rotating refresh reads
         self._lock = threading.Lock()
 
     @property
@@ -115,9 +117,14 @@ class SwarmWatcher:
         with self._lock:
             return self._view
 
-    def refresh(self, also_ask_about: Iterable[str] = ()) -> SwarmView:
+    def refresh(self, also_ask_about: Iterable[str] = (), rotation: int = 1) -> SwarmView:
         """Reads the swarm anew within the store's timeout; DHTUnavailable (and the previous view kept) if the DHT
-        does not answer in time."""
+        does not answer in time.
+
+        With ``rotation`` n > 1 the strike keys of peers nobody has accused yet are read one n-th at a time, in
+        turn, so every one is read once in n refreshes; accused peers and ``also_ask_about`` are read every time.
+        Most peers are never accused, and reading each one's strike key on every refresh was most of an idle
+        node's work (docs/decisions.md, "The suite's time"); a first ban is then seen up to n refreshes later."""
         deadline = time.monotonic() + self.store.timeout
         keys = self.store.keys
         stage_keys = [keys.stage(k) for k in range(self.n_stages)]
@@ -135,19 +142,24 @@ class SwarmWatcher:
         trainers = self._kept(before.trainers, _of_type(found[keys.trainers], TrainerAnnouncement), now)
         bootstraps = self._kept(before.bootstraps, _of_type(found[keys.bootstraps], BootstrapAnnouncement), now)
 
+        unaccused: set[str] = set(verifiers) | set(trainers)
         for replicas in stages.values():
-            suspects.update(replicas)
-        suspects.update(verifiers, trainers, also_ask_about)
+            unaccused.update(replicas)
+        unaccused -= suspects
+        self._turn += 1
+        if rotation > 1:
+            unaccused = {peer for peer in unaccused if _slot(peer, rotation) == self._turn % rotation}
+        suspects.update(unaccused, also_ask_about)
         strike_keys = {peer: keys.strikes(peer) for peer in sorted(suspects)}
         strikes = self.store.fetch(
             list(strike_keys.values()), timeout=max(0.0, deadline - time.monotonic()), partial=True
         )
         records = []
+        now = get_dht_time()
         for peer, key in strike_keys.items():
             if key in strikes:
                 records += _of_type(strikes[key], StrikeRecord).values()
             else:  # no answer in time: what this key said last time still stands (records expire on their own)
-                now = get_dht_time()
                 records += [r for r in previous.about(peer) if r.time >= now - self.store.rules.strike_ttl]
         ledger = StrikeLedger.from_records(records)
         open_voters = self._open_voters(verifiers)
@@ -193,3 +205,8 @@ class SwarmWatcher:
 
 def _of_type(records: Mapping[str, object], record_type: type) -> dict:
     return {author: record for author, record in records.items() if isinstance(record, record_type)}
+
+
+def _slot(peer: str, rotation: int) -> int:
+    """Which of ``rotation`` turns reads ``peer``'s strike key (stable for a peer, spread over peers)."""
+    return zlib.crc32(peer.encode()) % rotation

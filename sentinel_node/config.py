@@ -120,6 +120,7 @@ DEFAULT_FENCE_SPACES = {
 AUDIT_FIELDS = frozenset(
     {
         "audit_rate",
+        "probation_audit_rate",
         "audit_tolerance",
         "audit_drift_factor",
         "audit_exact",
@@ -164,6 +165,9 @@ class VerificationConfig(_Strict):
     )
     blatant_limit: int = Field(3, ge=1, description="blatant flags, forgiven one per blatant_forgive_after, that ban")
     blatant_forgive_after: int = Field(1000, ge=1, description="clean checks that forgive one blatant flag")
+    probation: int = Field(
+        100, ge=0, description="clean checks a sender new to a running swarm passes on probation (0: no probation)"
+    )
     reference_pool: int = Field(
         12, ge=1, description="recent profiles, an equal share per sender, whose median is the reference"
     )
@@ -186,6 +190,9 @@ class VerificationConfig(_Strict):
     # recomputation audits (sentinel_node/verification/audit.py; docs/decisions.md, "Recomputation audits")
     audit_rate: float = Field(
         0.02, ge=0, le=1, description="share of settled microbatches whose work a verifier has recomputed, per stage"
+    )
+    probation_audit_rate: float = Field(
+        0.25, ge=0, le=1, description="the audit rate of a stage replica on probation (a new identity)"
     )
     audit_tolerance: float = Field(
         0.5, gt=0, description="relative error a claim may always show (of a middle stage's contribution)"
@@ -374,6 +381,8 @@ class SimConfig(_Strict):
     attack_start: int = Field(60, ge=0, description="global step at which attackers start")
     attack_probability: float = Field(1.0, gt=0, le=1)
     verifiers_per_boundary: int = Field(1, ge=1)
+    rejoin: bool = Field(False, description="a banned attacker comes back at once under a fresh identity (Sybil)")
+    silent_verifiers: int = Field(0, ge=0, description="verifiers per boundary that relay without checking")
     eval_every: int = Field(10, ge=1)
     eval_batches: int = Field(4, ge=1)
 
@@ -386,6 +395,15 @@ class Config(_Strict):
     swarm: SwarmConfig = SwarmConfig()
     data: DataConfig = DataConfig()
     sim: SimConfig = SimConfig()
+
+    @model_validator(mode="after")
+    def _someone_checks(self) -> Config:
+        if self.sim.silent_verifiers >= self.sim.verifiers_per_boundary:
+            raise ValueError(
+                f"sim.silent_verifiers={self.sim.silent_verifiers} leaves none of the "
+                f"{self.sim.verifiers_per_boundary} verifiers per boundary checking; raise sim.verifiers_per_boundary"
+            )
+        return self
 
     @model_validator(mode="after")
     def _stages_have_layers(self) -> Config:

@@ -54,6 +54,7 @@ class DemoSettings:
     state: bool = False  # stages keep checkpoints in WORKDIR/state/NAME
     checkpoint_every: int = 10
     trusted_verifiers: bool = True  # False: an open verifier set, where a ban takes two verifiers (ban_quorum 2)
+    silent_verifiers: int = 0  # the first N verifiers relay without checking (a verifier that stopped checking)
 
 
 class AttackerInfo(BaseModel):
@@ -203,8 +204,8 @@ class Demo:
                 args += ["--state-dir", str(self.state_dir(name))]
                 args += ["--checkpoint-every", str(settings.checkpoint_every)]
             nodes.append(self.swarm.start(name, "stage", *args, metrics=settings.metrics))
-        for name in self.verifier_names():
-            verify = [] if settings.verify else ["--no-verify"]
+        for i, name in enumerate(self.verifier_names()):
+            verify = [] if settings.verify and i >= settings.silent_verifiers else ["--no-verify"]
             nodes.append(self.swarm.start(name, "verifier", *verify, metrics=settings.metrics))
         self.swarm.wait_ready(nodes, settings.start_timeout)
         self.attacker = self.peer(self.attacker_name()) if self.attacker_name() else None

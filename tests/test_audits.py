@@ -247,6 +247,15 @@ def test_the_draw_is_a_share_of_settled_microbatches():
     assert not any(AuditDraw(0.0, seed=1)() for _ in range(100))
 
 
+def test_a_replica_on_probation_is_drawn_at_the_probation_rate():
+    draw = AuditDraw(0.02, seed=1, probation_rate=0.25)
+    newcomer = sum(draw(probation=True) for _ in range(4000)) / 4000
+    established = sum(draw() for _ in range(4000)) / 4000
+    assert 0.22 < newcomer < 0.28 and established < 0.04
+    no_probation = AuditDraw(0.1, seed=2, probation_rate=0.0)  # a lower probation rate never lowers the rate
+    assert 0.08 < sum(no_probation(probation=True) for _ in range(4000)) / 4000 < 0.12
+
+
 def test_the_judge_convicts_only_with_two_agreeing_auditors_and_strikes_the_contradicted(config):
     worker = StageWorker(config.model, config.pipeline, 1, seed=0)
     below, above = crossing("m", 0, "s0", "cheat", 30), crossing("m", 1, "cheat", "s2", 40)

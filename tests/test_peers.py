@@ -44,6 +44,7 @@ from peers import (
     pick_replica,
     verifier_peer_id,
 )
+from peers.view import _slot
 
 PREFIX, CONFIG_HASH = "test-peers", "feed"
 KEYS = SwarmKeys(PREFIX)
@@ -156,6 +157,34 @@ def test_an_open_verifier_set_counts_only_voters_seen_long_enough_in_good_standi
     records.append(strike(ids[3].peer_id, ids[0].peer_id))
     excluded = policy.excluded(StrikeLedger.from_records(records), {i.peer_id for i in ids[:4]})
     assert set(excluded) == {ids[0].peer_id}  # accused and ids[1] keep one vote in good standing each
+
+
+@pytest.mark.parametrize(
+    "trust, quorum, liars, excluded",
+    [
+        ("open", 2, 1, False),  # one liar never excludes: a ban takes two voters
+        ("open", 2, 2, True),  # two colluding liars, seen long enough, do: the limit of an open set
+        ("open", 3, 2, False),  # a quorum above the liars' number stops them (and needs three honest voters)
+        ("trusted", 2, 2, False),  # a trust list: one liar listed by mistake, one not; the unlisted counts nothing
+        ("trusted", 1, 2, True),  # but with a quorum of one, a listed liar alone excludes: list only peers you run
+    ],
+)
+def test_lying_verifiers_exclude_an_honest_stage_only_when_the_quorum_and_trust_let_them(
+    ids, trust, quorum, liars, excluded
+):
+    """Issue 14, liars: verifiers that publish bans of an honest stage replica. In an open set every voter seen
+    long enough counts, so ``ban_quorum`` colluders exclude anyone (docs/security.md); a larger quorum or a trust
+    list is what stops them."""
+    honest_stage, honest_verifier, liar_ids = ids[5].peer_id, ids[0].peer_id, [i.peer_id for i in ids[1:3]]
+    if trust == "open":
+        params = ExclusionParams((), ban_quorum=quorum, open_verifiers=True)
+    else:  # the honest verifier and, by mistake, the first liar are listed
+        params = ExclusionParams((honest_verifier, liar_ids[0]), ban_quorum=quorum)
+    records = [strike(liar, honest_stage) for liar in liar_ids[:liars]]
+    records.append(strike(honest_verifier, honest_stage, banned=False))  # the honest verifier saw nothing wrong
+    voters = {honest_verifier, *liar_ids}  # every one announced, and for long enough
+    verdict = ExclusionPolicy(params).excluded(StrikeLedger.from_records(records), voters)
+    assert (honest_stage in verdict) is excluded, verdict
 
 
 def test_the_ledger_keeps_each_verifiers_newest_record(ids):
@@ -424,3 +453,24 @@ def test_measure_time_until_every_node_of_five_sees_an_exclusion(five_nodes, cap
             f"{one_refresh * 1000:.0f} ms)"
         )
     assert max(seen) < 5.0
+
+
+def test_a_rotating_refresh_reads_every_unaccused_peer_in_turn_and_the_accused_every_time(five_nodes):
+    """Background views read the strike keys of peers nobody accused a quarter at a time (the suite's budget:
+    reading every one on every refresh was most of an idle node's work): a first ban shows within four refreshes,
+    at the peer's own turn, and once a peer is accused its key is read on every refresh."""
+    accused, v1, v2, newcomer, reader = five_nodes
+    peer = newcomer.identity.peer_id
+    newcomer.put(stage(peer, 0, time=get_dht_time()), ttl=30)
+    watcher = SwarmWatcher(reader, n_stages=1, policy=policy_for(five_nodes))
+    watcher.refresh(rotation=4)  # turn 1
+    v1.put(strike(v1.identity.peer_id, peer, time=get_dht_time()), ttl=20)
+    seen_at = None
+    for turn in range(2, 6):
+        if watcher.refresh(rotation=4).ledger.about(peer):
+            seen_at = turn
+            break
+    assert seen_at is not None and seen_at % 4 == _slot(peer, 4), seen_at
+    v2.put(strike(v2.identity.peer_id, peer, time=get_dht_time()), ttl=20)
+    view = watcher.refresh(rotation=4)  # accused now: read again at once, whatever the turn
+    assert len(view.ledger.about(peer)) == 2 and view.is_excluded(peer)

@@ -187,3 +187,34 @@ def test_a_mesh_run_is_reproducible(corpus):
     assert first.train_losses == second.train_losses and first.val_curve == second.val_curve
     other = Mesh(config, corpus, seed=config.swarm.seed + 1).run()
     assert other.train_losses != first.train_losses
+
+
+def test_a_rejoining_attacker_is_banned_again_under_each_fresh_identity_and_probation_shortens_its_lives(corpus):
+    """A banned attacker comes back at once under a fresh identity, with an honest replica's weights (issue 14,
+    Sybil probation): every identity is banned in turn, no honest worker is, and under probation (a first blatant
+    flag bans) each later identity lasts fewer microbatches than without."""
+    lives = {}
+    for probation in (0, 20):
+        config = small_config(sim={"rejoin": True}, verification={"probation": probation})
+        result = Mesh(config, corpus, plan("random", "activation")).run()
+        later = [life for life in result.lives if life.identity != life.replica]
+        assert len(later) >= 2 and all(life.banned_step is not None for life in result.lives[:-1])
+        assert set(result.banned_at) <= set(result.malicious)  # every ban is of an attacker's identity
+        lives[probation] = [life.microbatches for life in later if life.banned_step is not None]
+    assert np.mean(lives[20]) < np.mean(lives[0]), lives
+
+
+def test_a_verifier_that_stops_checking_is_noticed_by_the_trainers_agreement_test_and_an_honest_one_is_not(corpus):
+    """Two verifiers per boundary, one of which relays without checking (issue 14, a silent verifier): the test the
+    trainer runs on its routes and their taint (peers.agreement) names the silent ones once the attack is flagged
+    by the others, and never an honest verifier, in this run or in the same attack with both verifiers checking."""
+    sim = {"verifiers_per_boundary": 2, "silent_verifiers": 1, "rejoin": True}
+    config = small_config(sim=sim)
+    result = Mesh(config, corpus, plan("random", "activation")).run()
+    assert result.silent == [f"v{k}.0" for k in range(config.pipeline.n_stages - 1)]
+    attacked = {f"v{k}.0" for k in range(config.pipeline.n_stages - 1) if k > 0 or config.sim.attack_first_stage}
+    assert attacked and attacked <= set(result.quiet_at), result.quiet_at
+    assert set(result.quiet_at) <= set(result.silent)
+    assert all(step >= ATTACK_START for step, _ in result.quiet_at.values())
+    both_check = Mesh(small_config(sim={"verifiers_per_boundary": 2}), corpus, plan("random", "activation")).run()
+    assert not both_check.quiet_at and not both_check.silent

@@ -972,3 +972,66 @@ def test_statistics_of_a_16_bit_tensor_are_those_of_its_float32_values(streams):
     tensor = streams.gradients[3].to(torch.bfloat16)
     profiler = make_profiler()
     assert profiles_close(profiler(tensor), profiler(tensor.float()), atol=1e-4)
+
+
+# --- probation of new identities (issue 14) ------------------------------------------------------------------------
+
+
+def _established(probation: int = 20, **overrides) -> SenderStrikes:
+    """A ledger past its own start: two founders have sent `probation` clean checks between them."""
+    ledger = SenderStrikes(strike_limit=3, forgive_after=10, probation=probation, **overrides)
+    for i in range(probation):
+        ledger.record(f"founder-{i % 2}", False)
+    return ledger
+
+
+def test_a_newcomers_first_blatant_flag_bans_while_a_founders_does_not():
+    ledger = _established()
+    assert not ledger.on_probation("founder-0") and ledger.on_probation("sybil")
+    assert ledger.record("sybil", True, weight=2, blatant=True).banned
+    assert not ledger.record("founder-0", True, weight=2, blatant=True).banned  # two strikes, as before
+    # without probation the same newcomer needs a second blatant flag
+    plain = _established(probation=0)
+    assert not plain.record("sybil", True, weight=2, blatant=True).banned
+    assert plain.record("sybil", True, weight=2, blatant=True).banned
+
+
+def test_probation_forgives_nothing_until_enough_clean_checks_then_ends():
+    ledger = _established(probation=20)
+    ledger.record("newcomer", True)  # a near miss: one strike, not a ban
+    for _ in range(19):
+        assert ledger.record("newcomer", False).strikes == 1  # no forgiveness while on probation
+    assert ledger.on_probation("newcomer")  # 19 clean checks of 20
+    ledger.record("newcomer", False)
+    assert not ledger.on_probation("newcomer")
+    for _ in range(10):
+        record = ledger.record("newcomer", False)
+    assert record.strikes == 0  # forgiven once in good standing
+    assert not ledger.record("newcomer", True, weight=2, blatant=True).banned  # and judged as anyone else
+
+
+def test_a_young_ledger_puts_nobody_on_probation():
+    ledger = SenderStrikes(strike_limit=3, forgive_after=10, probation=50)
+    assert not ledger.on_probation("anyone")  # a verifier that just started: everyone is new to it alone
+    for i in range(49):
+        ledger.record(f"peer-{i % 4}", False)
+    assert ledger.senders["peer-3"].founder
+    assert not ledger.record("peer-3", True, weight=2, blatant=True).banned
+
+
+def test_an_honest_newcomer_passes_probation_and_a_rejoining_attacker_is_banned_at_its_first_tensor(streams):
+    monitor = warmed_monitor(streams, probation=30)
+    tensors = streams.activations[WARMUP:]
+    assert monitor.ledger.on_probation("newcomer")
+    for tensor in tensors:  # an honest identity joining the running boundary
+        verdict = monitor.check(tensor, "newcomer")
+        assert not verdict.flagged, verdict
+    assert not monitor.ledger.on_probation("newcomer") and not monitor.ledger.is_banned("newcomer")
+    # the founder turns attacker: banned at its second blatant tensor; back under a fresh identity, at its first
+    noise = attacks.make_attack("random")
+    for identity, limit in (("honest", 2), ("honest-again", 1)):
+        for n in range(1, limit + 1):
+            assert not monitor.ledger.is_banned(identity)
+            verdict = monitor.check(noise(tensors[n], 0, {"seed": n}), identity)
+            assert verdict.flagged and verdict.blatant
+        assert monitor.ledger.is_banned(identity), identity

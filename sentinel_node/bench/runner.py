@@ -36,6 +36,7 @@ class RunSpec:
     verify: bool
     attack_start: int
     branch: int
+    prepare: Callable[[Mesh], None] | None = None  # changes the run's copy of the mesh before it goes on
 
 
 # inherited by the pool's forked workers (plans are closures: they travel by fork, not by pickle)
@@ -49,6 +50,8 @@ def _run(index: int) -> tuple[int, SimResult, float]:
     spec = _SPECS[index]
     mesh = _SNAPSHOTS[spec.branch].fork()
     mesh.arm(spec.plan(), spec.verify, attack_start=spec.attack_start)
+    if spec.prepare is not None:
+        spec.prepare(mesh)
     result = mesh.run()
     return index, result, (time.process_time() - started) / max(1, mesh.step - spec.branch)
 

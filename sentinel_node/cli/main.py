@@ -131,11 +131,12 @@ def bench() -> None:
 @click.option("--quick", is_flag=True, help="The quick profile (the catalogue in about 5 minutes on 2 cores).")
 @click.option(
     "--suite",
-    type=click.Choice(["catalogue", "sweep", "honest"]),
+    type=click.Choice(["catalogue", "sweep", "honest", "sybil"]),
     default="catalogue",
     show_default=True,
     help="catalogue: every attack of the catalogue; sweep: attack families with a strength, F1 and damage per "
-    "point; honest: one long run without an attacker (false alarms).",
+    "point; honest: one long run without an attacker (false alarms); sybil: attackers re-joining under fresh "
+    "identities, with and without probation.",
 )
 @click.option("--steps", type=click.IntRange(min=1), help="honest: global steps (default 1000).")
 @click.option("--attack", "attacks", multiple=True, type=_attack_choice(), help="Only this attack (repeatable).")
@@ -161,7 +162,7 @@ def detection(
 
     from sentinel_node.attacks import AttackError
     from sentinel_node.bench import detection as catalogue
-    from sentinel_node.bench import honest, sweep
+    from sentinel_node.bench import honest, sweep, sybil
 
     if suite != "catalogue" and (attacks or attack_file or targets):
         raise click.UsageError("--attack, --attack-file and --target choose catalogue runs (--suite catalogue)")
@@ -178,6 +179,8 @@ def detection(
             report = sweep.run_sweep(config, profile, list(families) or None, workers, progress=echo, bar=bar)
         elif suite == "honest":
             report = honest.run_honest(config, profile, steps or 1000, progress=echo)
+        elif suite == "sybil":
+            report = sybil.run_sybil(config, profile, workers, progress=echo, bar=bar)
         else:
             report = catalogue.run_detection(
                 config,
@@ -196,6 +199,7 @@ def detection(
     module, name, rows = {
         "sweep": (sweep, "sweep.json", "points"),
         "honest": (honest, "honest.json", None),
+        "sybil": (sybil, "sybil.json", None),
         "catalogue": (catalogue, "detection.json", "attacks"),
     }[suite]
     out_dir = Path(out)

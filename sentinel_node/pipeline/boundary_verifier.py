@@ -40,6 +40,7 @@ class BoundaryVerifier:
             config.blatant_limit,
             config.blatant_forgive_after,
             config.max_senders,
+            config.probation,
         )
 
         def monitor(direction: str) -> BoundaryMonitor:

@@ -124,14 +124,17 @@ class RelayCache:
 
 class AuditDraw:
     """Which settled microbatches to audit: a share ``rate`` of them, drawn by the verifier after the stage has
-    answered, from randomness of its own (the operating system's, unless a seed is given for a simulation)."""
+    answered, from randomness of its own (the operating system's, unless a seed is given for a simulation). A
+    replica on probation (a new identity, :mod:`sentinel_node.verification.strikes`) is drawn at
+    ``probation_rate`` instead, when that is higher."""
 
-    def __init__(self, rate: float, seed: int | None = None) -> None:
-        self.rate = rate
+    def __init__(self, rate: float, seed: int | None = None, probation_rate: float = 0.0) -> None:
+        self.rate, self.probation_rate = rate, probation_rate
         self._random = random.Random(secrets.randbits(128) if seed is None else seed)
 
-    def __call__(self) -> bool:
-        return self.rate > 0 and self._random.random() < self.rate
+    def __call__(self, probation: bool = False) -> bool:
+        rate = max(self.rate, self.probation_rate) if probation else self.rate
+        return rate > 0 and self._random.random() < rate
 
     def shuffle(self, items: list) -> list:
         items = list(items)

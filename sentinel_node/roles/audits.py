@@ -155,7 +155,7 @@ class VerifierAudits:
         self.config = config
         self.n_stages = node.config.pipeline.n_stages
         self.cache = RelayCache(int(config.audit_cache_mib * 2**20))
-        self.draw = AuditDraw(config.audit_rate)
+        self.draw = AuditDraw(config.audit_rate, probation_rate=config.probation_audit_rate)
         self.ledger = AuditLedger(config.audit_refusal_limit)
         self.judge = AuditJudge(
             config.audit_tolerances(), node.checker.ledger, self.ledger, self.cache.completed_between
@@ -228,8 +228,10 @@ class VerifierAudits:
         if boundary == 0:
             self.cache.completed(crossing.sender, meta.step)
         stages = [boundary + 1] + ([0] if boundary == 0 else [])
+        ledger = self.node.checker.ledger
         for stage in stages:
-            if not self.draw():
+            audited = crossing.receiver if stage == boundary + 1 else crossing.sender
+            if not self.draw(probation=audited is not None and ledger.on_probation(audited)):
                 continue
             self.stats["drawn"] += 1
             if len(self.tasks) >= self.config.audit_queue:

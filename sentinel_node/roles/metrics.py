@@ -66,6 +66,9 @@ METRICS: dict[str, MetricSpec] = {
         "unconfirmed), and auditor requests refused.",
         ("outcome",),
     ),
+    "sentinel_quiet_verifiers": MetricSpec(
+        "gauge", "Verifiers this trainer sees flag far less than the others of their boundary (peers.agreement)."
+    ),
     "sentinel_recomputations": MetricSpec(
         "counter", "Audit recomputations this stage replica answered, by outcome (served, unavailable).", ("outcome",)
     ),

@@ -121,6 +121,7 @@ class TrainerStatus(NodeStatus):
     step: int
     accounting: AccountingStatus
     val_curve: list[tuple[int, float]]
+    quiet_verifiers: list[str] = Field(default_factory=list)  # flagging far less than their boundary's others
 
 
 AnyStatus = Annotated[StageStatus | VerifierStatus | TrainerStatus, Field(discriminator="role")]

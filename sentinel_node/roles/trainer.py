@@ -40,6 +40,7 @@ from hivemind.utils import get_logger
 
 from dht import TrainerAnnouncement
 from peers import LivenessBlacklist, NoRouteError, PairBlacklist, Route, SwarmView, choose_route, expand
+from peers.agreement import Quiet, VerifierAgreement
 from sentinel_node.data import DataError, TrainingData, load_training_data
 from sentinel_node.roles.admission import admitted_certificate
 from sentinel_node.roles.calls import note_failures
@@ -223,6 +224,11 @@ class TrainerNode(Node):
         # (verifier, replica) pairs that refused each other: a ban short of the quorum refuses every route through
         # the pair, so it is kept off routes for a while (backing off) while others exist
         self.apart = PairBlacklist()
+        # verifiers that flag far less than the others of their boundary (peers.agreement): avoided on routes in a
+        # closed verifier set, only reported in an open one, where a liar could make an honest verifier look quiet
+        self.agreement = VerifierAgreement()
+        self.quiet: dict[str, Quiet] = {}
+        self.avoid_quiet = not self.config.swarm.open_verifiers
         seed = self.config.swarm.seed if settings.seed is None else settings.seed
         self.route_rng = random.Random(seed + 1)
         try:
@@ -292,6 +298,7 @@ class TrainerNode(Node):
         log, accounting = self._last_log, self.accounting
         samples = [
             Sample("sentinel_global_step", self.step - 1),
+            Sample("sentinel_quiet_verifiers", len(self.quiet)),
         ]
         for outcome in ("succeeded", "dropped", "failed"):
             samples.append(Sample("sentinel_microbatches", getattr(accounting, outcome), (outcome,)))
@@ -432,9 +439,10 @@ class TrainerNode(Node):
                         if not unanswered or time.monotonic() > patience:
                             attempt += 1
                         continue
-                    for hops in routes:
+                    for hops, reply in zip(routes, results, strict=True):
                         for a, b in zip(hops, hops[1:], strict=False):
                             self.apart.register_success(a.peer_id, b.peer_id)
+                        self._judged(hops, reply.metadata.taint)
                     losses = [r.metadata.loss for r in results]
                     if None in losses:
                         outcome = "dropped"
@@ -474,6 +482,35 @@ class TrainerNode(Node):
         )
         note_failures(self.blacklist, reply.failures)
         return reply
+
+    def _judged(self, hops: list[Hop], taint: list[int]) -> None:
+        """Counts which verifiers relayed the microbatch and which boundaries replaced a tensor of it, and says once
+        when a verifier turns quiet (or checks again)."""
+        verifiers = {hop.boundary: hop.peer_id for hop in hops if hop.boundary is not None}
+        senders = {  # the stage replicas on either side of each verifier: hops alternate stage, verifier, stage
+            hop.boundary: (hops[i - 1].peer_id, hops[i + 1].peer_id)
+            for i, hop in enumerate(hops)
+            if hop.boundary is not None and 0 < i < len(hops) - 1
+        }
+        self.agreement.settled(verifiers, taint, senders)
+        quiet = {q.verifier: q for q in self.agreement.quiet()}
+        for verifier, q in quiet.items():
+            if verifier not in self.quiet:
+                action = (
+                    "kept off routes while another verifier serves its boundary"
+                    if self.avoid_quiet
+                    else (
+                        "still routed through: in an open verifier set a liar can make an honest verifier look quiet"
+                    )
+                )
+                logger.warning(
+                    f"verifier {verifier} of boundary {q.boundary} flagged {q.flags} of the last {q.relays} tensors "
+                    f"it relayed{'' if q.sender is None else f' from {q.sender}'} while the others flagged "
+                    f"{q.others_flags} of {q.others_relays} (p={q.p:.1e}): it may have stopped checking; {action}"
+                )
+        for verifier in set(self.quiet) - set(quiet):
+            logger.info(f"verifier {verifier} flags as the others of its boundary do again")
+        self.quiet = quiet
 
     async def _after_failure(
         self, name: str, attempt: int, errors: list[BaseException], avoid: set[str], routes: list[list[Hop]]
@@ -539,7 +576,7 @@ class TrainerNode(Node):
         swarm has none. A ``patient`` caller gets None rather than a route through a peer suspended for not
         answering."""
         view = self.views.view
-        avoid = avoid | barred
+        avoid = avoid | barred | (set(self.quiet) if self.avoid_quiet else set())
         try:
             try:
                 route = choose_route(view, self.route_rng, self.blacklist, avoid, apart=self.apart.apart)
@@ -664,6 +701,7 @@ class TrainerNode(Node):
             step=self.step,
             accounting=AccountingStatus(**self.accounting.as_dict()),
             val_curve=self.val_curve,
+            quiet_verifiers=sorted(self.quiet),
             time=time.time(),
             **NodeStatus.view_fields(self.views.view),
         )

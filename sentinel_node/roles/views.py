@@ -17,6 +17,10 @@ logger = get_logger(__name__)
 
 # A caller missing from the view is looked up again at most this often (an unknown peer must not flood the DHT).
 _FORCED_REFRESH_INTERVAL = 1.0
+# Background refreshes read the strike keys of peers nobody accused one quarter at a time (SwarmWatcher.refresh):
+# a first ban shows in this node's view within four periods; forced refreshes (a refusal, an unknown caller) and
+# the first one read every key.
+STRIKE_ROTATION = 4
 
 
 class ViewKeeper:
@@ -45,12 +49,13 @@ class ViewKeeper:
             recent = time.monotonic() - self._last_refresh < _FORCED_REFRESH_INTERVAL
             if self._last_refresh and (not force or recent):
                 return self.view
-            self._refreshing = asyncio.create_task(self._refresh())
+            self._refreshing = asyncio.create_task(self._refresh(full=True))
         return await asyncio.shield(self._refreshing)
 
-    async def _refresh(self) -> SwarmView:
+    async def _refresh(self, full: bool = False) -> SwarmView:
+        rotation = 1 if full or not self._last_refresh else STRIKE_ROTATION
         try:
-            view = await asyncio.to_thread(self.watcher.refresh)
+            view = await asyncio.to_thread(self.watcher.refresh, (), rotation)
             self.read_at = time.monotonic()
         except DHTUnavailable as e:
             logger.debug(f"swarm view not refreshed: {e}")

@@ -1,5 +1,5 @@
 """The in-process DP x PP mesh: same stage and verifier objects as the network, no network."""
 
-from sentinel_node.sim.mesh import AttackPlan, Mesh, SimResult, StepLog
+from sentinel_node.sim.mesh import AttackPlan, Life, Mesh, SimResult, StepLog
 
-__all__ = ["AttackPlan", "Mesh", "SimResult", "StepLog"]
+__all__ = ["AttackPlan", "Life", "Mesh", "SimResult", "StepLog"]

@@ -100,7 +100,8 @@ class MeshAudits:
             judge = AuditJudge(
                 self.tolerance, verifier.ledger, AuditLedger(config.audit_refusal_limit), cache.completed_between
             )
-            self.stations.append(Station(boundary, cache, AuditDraw(config.audit_rate, seed + 7919 * boundary), judge))
+            draw = AuditDraw(config.audit_rate, seed + 7919 * boundary, config.probation_audit_rate)
+            self.stations.append(Station(boundary, cache, draw, judge))
         self.stats = AuditStats()
 
     # --- what the verifiers relay (called by the mesh as the microbatch crosses each boundary)
@@ -134,7 +135,7 @@ class MeshAudits:
             return
         for stage in range(len(route)):
             station = self.stations[max(0, stage - 1)]
-            if station.draw():
+            if station.draw(probation=station.judge.strikes.on_probation(route[stage].id)):
                 self.audit(station, stage, name)
 
     # --- one audit

@@ -19,6 +19,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from peers.agreement import VerifierAgreement
 from sentinel_node.attacks import DIRECTIONS, Attacker, AttackFn, StageContext, arm, refuses_steps
 from sentinel_node.config import Config
 from sentinel_node.model.corpus import Corpus, sample_batch, validation_batches
@@ -58,6 +59,22 @@ class SimWorker:
     ) -> tuple[torch.Tensor, bool]:
         attacker = self.attackers.get(direction)
         return attacker(tensor, step, context) if attacker is not None else (tensor, False)
+
+
+@dataclass
+class Life:
+    """One identity of a malicious replica that comes back under a fresh one whenever it is banned (a Sybil):
+    when it joined, how many microbatches it was routed, and when it was banned (None: it lasted the run)."""
+
+    replica: str  # the replica's first identity
+    identity: str
+    joined_step: int
+    microbatches: int = 0
+    banned_step: int | None = None
+
+    @property
+    def steps(self) -> int | None:
+        return None if self.banned_step is None else self.banned_step - self.joined_step
 
 
 @dataclass
@@ -101,6 +118,11 @@ class SimResult:
     attack_start: int = 0
     timeline: list[StepCounts] = field(default_factory=list)
     audits: dict | None = None  # sentinel_node.sim.audits.AuditStats.summary(), when audits ran
+    lives: list[Life] = field(default_factory=list)  # with re-joining attackers: every identity they held
+    # verifier ("v<boundary>.<index>") -> (global step, microbatches since the attack start) when the trainer's
+    # agreement test (peers.agreement) first found it quiet
+    quiet_at: dict[str, tuple[int, int]] = field(default_factory=dict)
+    silent: list[str] = field(default_factory=list)  # the verifiers that relayed without checking
 
     @property
     def final_val_loss(self) -> float:
@@ -149,7 +171,15 @@ class Mesh:
             ]
             for k in range(self.n_stages - 1)
         ]
+        # what the trainer sees of the verifiers: who relayed each microbatch, which boundaries replaced a tensor
+        self.agreement = VerifierAgreement()
+        self.quiet_at: dict[str, tuple[int, int]] = {}
+        self._relayed: dict[int, str] = {}
+        self._tainted: set[int] = set()
+        self._senders: dict[int, set[str]] = {}
         self.excluded: dict[str, tuple[int, int]] = {}
+        self.rejoin = config.sim.rejoin
+        self.lives: dict[str, Life] = {}  # identity -> its life, for malicious replicas once the attack starts
         self.stats = DetectionStats()
         self.data_rng = np.random.default_rng([self.seed, 0xDA7A])
         self.val_batches = validation_batches(corpus, sim.eval_batches, pipe.microbatch_size, pipe.seq_len, self.seed)
@@ -175,8 +205,8 @@ class Mesh:
         for worker in self.all_workers:
             worker.attackers = {}
         for verifiers in self.verifiers:
-            for verifier in verifiers:
-                verifier.enabled = verify
+            for i, verifier in enumerate(verifiers):
+                verifier.enabled = verify and i >= self.config.sim.silent_verifiers
         self._arm_attackers()
         # audits run with verification (the simulator's verifiers audit as the network's do)
         audited = verify and self.config.verification.audit_rate > 0
@@ -216,9 +246,24 @@ class Mesh:
         return next(w for w in self.all_workers if w.id == worker_id)
 
     def exclude(self, worker_id: str, step: int) -> None:
-        """A verifier banned the worker (statistics or a convicting audit): it leaves routing and averaging."""
-        if worker_id not in self.excluded:
-            self.excluded[worker_id] = (step, self.attack_microbatches)
+        """A verifier banned the worker (statistics or a convicting audit): it leaves routing and averaging. With
+        ``rejoin``, a malicious one comes back at once under a fresh identity, with an honest replica's
+        parameters (the state a joining replica downloads), and attacks on."""
+        if worker_id in self.excluded:
+            return
+        self.excluded[worker_id] = (step, self.attack_microbatches)
+        life = self.lives.get(worker_id)
+        if life is not None:
+            life.banned_step = step
+        worker = next((w for w in self.all_workers if w.id == worker_id), None)
+        if not self.rejoin or worker is None or not worker.malicious:
+            return
+        replica = life.replica if life is not None else worker_id
+        worker.id = f"{replica}~{sum(1 for x in self.lives.values() if x.replica == replica)}"
+        self.lives[worker.id] = Life(replica, worker.id, step)
+        donor = next((w for w in self._live(worker.stage) if not w.malicious), None)
+        if donor is not None:
+            worker.worker.module.load_state_dict(donor.worker.module.state_dict())
 
     def _live(self, stage: int) -> list[SimWorker]:
         live = [w for w in self.workers[stage] if w.id not in self.excluded]
@@ -248,8 +293,13 @@ class Mesh:
         name: str,
         content: int,
     ) -> Verdict:
-        verifier = self._choose(self.verifiers[boundary], "verifier", boundary, name)
+        index = self._choose(range(len(self.verifiers[boundary])), "verifier", boundary, name)
+        verifier = self.verifiers[boundary][index]
         verdict = verifier.check(boundary, direction, tensor, sender.id, tainted, content=content)
+        self._relayed[boundary] = f"v{boundary}.{index}"
+        self._senders.setdefault(boundary, set()).add(sender.id)
+        if verdict.flagged:
+            self._tainted.add(boundary)
         self.stats.record(direction, attacked, verdict)
         if verdict.flagged:
             self._flags[sender.id] += 1
@@ -258,7 +308,20 @@ class Mesh:
         return verdict
 
     def _microbatch(self, step: int, name: str, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        self._relayed, self._tainted, self._senders = {}, set(), {}
+        loss = self._through(step, name, inputs, targets)
+        senders = {boundary: tuple(sorted(ids)) for boundary, ids in self._senders.items()}
+        self.agreement.settled(self._relayed, self._tainted, senders)
+        for quiet in self.agreement.quiet():
+            self.quiet_at.setdefault(quiet.verifier, (step, self.attack_microbatches))
+        return loss
+
+    def _through(self, step: int, name: str, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         route = [self._route(k, name) for k in range(self.n_stages)]
+        if step >= self.attack_start:
+            for worker in route:
+                if worker.malicious:
+                    self.lives.setdefault(worker.id, Life(worker.id, worker.id, self.attack_start)).microbatches += 1
         content = content_of(targets)
         hidden, tainted, replaced_at = inputs, False, None
         audits = self.audits
@@ -385,7 +448,7 @@ class Mesh:
         return StepLog(step, loss, val, self.stats.flags, strikes, sorted(self.excluded), microbatches, dropped)
 
     def result(self) -> SimResult:
-        malicious = sorted(w.id for w in self.all_workers if w.malicious)
+        malicious = sorted({w.id for w in self.all_workers if w.malicious} | set(self.lives))
         honest = sorted(w.id for w in self.all_workers if not w.malicious)
         bad = set(malicious)
         timeline = [
@@ -411,4 +474,12 @@ class Mesh:
             attack_start=self.attack_start,
             timeline=timeline,
             audits=None if self.audits is None else self.audits.stats.summary(),
+            lives=[copy.copy(life) for life in self.lives.values()],
+            quiet_at=dict(self.quiet_at),
+            silent=[
+                f"v{k}.{i}"
+                for k, vs in enumerate(self.verifiers)
+                for i, v in enumerate(vs)
+                if self.verify and not v.enabled
+            ],
         )

@@ -55,6 +55,7 @@ class MonitorSettings:
     blatant_severity: float
     blatant_limit: int
     blatant_forgive_after: int
+    probation: int
     reference_pool: int
     reference_horizon: int
     peer_pool: int
@@ -210,6 +211,7 @@ class BoundaryMonitor:
                 settings.blatant_limit,
                 settings.blatant_forgive_after,
                 settings.max_senders,
+                settings.probation,
             )
         )
         self.generator = torch.Generator().manual_seed(settings.seed)

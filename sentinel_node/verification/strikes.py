@@ -5,6 +5,14 @@ also leaves a blatant mark that is forgiven far more slowly. Honest peers glitch
 they essentially never produce a blatant flag. So a glitch is forgiven after a clean streak, while an attacker who
 corrupts one tensor in fifty, blatantly, is banned at its second such tensor, and one who does it sparsely enough
 to be forgiven its strikes still collects blatant marks.
+
+Probation (issue 14): a banned peer can come back at once under a fresh identity, so a sender that first shows up in
+a running swarm starts on probation until it has passed ``probation`` clean checks. On probation a blatant flag bans
+at once and no strike is forgiven; the verifier's audits also draw its work more often (``probation_audit_rate``,
+:class:`sentinel_node.pipeline.relay_cache.AuditDraw`). A verifier that has itself recorded fewer than
+``probation`` checks puts no one on probation: at its start every sender is new to it, not to the swarm. Honest
+newcomers lose nothing by it, as honest peers essentially never produce a blatant flag (docs/decisions.md,
+"Identities, liars and quiet verifiers").
 """
 
 from __future__ import annotations
@@ -23,12 +31,19 @@ class SenderRecord:
     banned: bool = False
     blatant: int = 0  # blatant flags not yet forgiven
     blatant_streak: int = 0  # clean checks since the last blatant flag or the last forgiven mark
+    founder: bool = False  # first heard while the ledger itself was new: never on probation
+
+    @property
+    def clean(self) -> int:
+        """Checks that found nothing wrong."""
+        return self.checks - self.flags
 
 
 class SenderStrikes:
     """Strikes per sender: a flag adds `weight` strikes, `forgive_after` clean checks in a row remove one,
     `strike_limit` strikes ban. A blatant flag also adds a mark; `blatant_forgive_after` clean checks in a row
-    remove one, `blatant_limit` marks ban.
+    remove one, `blatant_limit` marks ban. A sender on probation (fewer than `probation` clean checks, and not a
+    founder) is banned by its first blatant flag and forgiven nothing.
 
     A ban is final for this ledger: a banned sender is not forgiven by later clean checks. At most `max_senders`
     senders in good standing are remembered (the one heard from longest ago is forgotten first), and as many
@@ -42,8 +57,11 @@ class SenderStrikes:
         blatant_limit: int = 3,
         blatant_forgive_after: int = 1000,
         max_senders: int = 64,
+        probation: int = 0,
     ):
         self.strike_limit, self.forgive_after = strike_limit, forgive_after
+        self.probation = probation
+        self.recorded = 0  # checks recorded in all, for telling founders from newcomers
         self.blatant_limit, self.blatant_forgive_after = blatant_limit, blatant_forgive_after
         self._standing: RecentSenders[SenderRecord] = RecentSenders(max_senders, SenderRecord)
         self._banned: RecentSenders[SenderRecord] = RecentSenders(max_senders, SenderRecord)
@@ -55,11 +73,29 @@ class SenderStrikes:
 
     def _record(self, sender: str) -> SenderRecord:
         banned = self._banned.peek(sender)
-        return banned if banned is not None else self._standing.get(sender)
+        if banned is not None:
+            return banned
+        known = sender in self._standing
+        rec = self._standing.get(sender)
+        if not known:
+            rec.founder = self.recorded < self.probation
+        return rec
+
+    def on_probation(self, sender: str) -> bool:
+        """Whether `sender` is still on probation here (an unknown sender is: it has passed no check yet)."""
+        if self.probation <= 0 or self.recorded < self.probation:
+            return False
+        rec = self._banned.peek(sender) or self._standing.peek(sender)
+        return rec is None or self._probation(rec)
+
+    def _probation(self, rec: SenderRecord) -> bool:
+        return self.probation > 0 and not rec.founder and rec.clean < self.probation
 
     def record(self, sender: str, flagged: bool, weight: int = 1, blatant: bool = False) -> SenderRecord:
         """Counts one check of `sender`; a flag adds `weight` strikes (and a mark when `blatant`)."""
         rec = self._record(sender)
+        self.recorded += 1
+        probation = self._probation(rec)
         rec.checks += 1
         if flagged:
             rec.flags += 1
@@ -69,9 +105,13 @@ class SenderStrikes:
                 if blatant:
                     rec.blatant += 1
                     rec.blatant_streak = 0
+                    if probation:
+                        rec.strikes = max(rec.strikes, self.strike_limit)
                 self._judge(sender, rec)
         elif not rec.banned:
             rec.clean_streak += 1
+            if probation:
+                return rec  # nothing is forgiven on probation
             if rec.clean_streak >= self.forgive_after and rec.strikes > 0:
                 rec.strikes -= 1
                 rec.clean_streak = 0
