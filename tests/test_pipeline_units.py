@@ -104,7 +104,7 @@ class FlakyWatcher:
         self.fails, self.swarm, self.reads = fails, swarm, 0
         self.view = SwarmView(n_stages=swarm.n_stages)
 
-    def refresh(self) -> SwarmView:
+    def refresh(self, also_ask_about=(), rotation: int = 1) -> SwarmView:
         self.reads += 1
         if self.reads <= self.fails:
             raise DHTUnavailable("the DHT gave no answer")
