@@ -109,6 +109,7 @@ class SwarmWatcher:
         self._accused: set[str] = set()
         self._first_seen: dict[str, float] = {}
         self._turn = 0  # refreshes so far: whose strike keys a rotating refresh reads
+        self._read_all_once = False  # whether one refresh has had an answer from every strike key it asked
         self._lock = threading.Lock()
 
     @property
@@ -124,7 +125,9 @@ class SwarmWatcher:
         With ``rotation`` n > 1 the strike keys of peers nobody has accused yet are read one n-th at a time, in
         turn, so every one is read once in n refreshes; accused peers and ``also_ask_about`` are read every time.
         Most peers are never accused, and reading each one's strike key on every refresh was most of an idle
-        node's work (docs/decisions.md, "The suite's time"); a first ban is then seen up to n refreshes later."""
+        node's work (docs/decisions.md, "The suite's time"); a first ban is then seen up to n refreshes later.
+        Until one refresh has had an answer from every strike key it asked, every refresh asks them all: a node that
+        just started, whose first reads time out on a loaded machine, must not wait n turns for a ban."""
         deadline = time.monotonic() + self.store.timeout
         keys = self.store.keys
         stage_keys = [keys.stage(k) for k in range(self.n_stages)]
@@ -147,13 +150,14 @@ class SwarmWatcher:
             unaccused.update(replicas)
         unaccused -= suspects
         self._turn += 1
-        if rotation > 1:
+        if rotation > 1 and self._read_all_once:  # a node that never read every strike key reads them all
             unaccused = {peer for peer in unaccused if _slot(peer, rotation) == self._turn % rotation}
         suspects.update(unaccused, also_ask_about)
         strike_keys = {peer: keys.strikes(peer) for peer in sorted(suspects)}
         strikes = self.store.fetch(
             list(strike_keys.values()), timeout=max(0.0, deadline - time.monotonic()), partial=True
         )
+        self._read_all_once |= all(key in strikes for key in strike_keys.values())
         records = []
         now = get_dht_time()
         for peer, key in strike_keys.items():

@@ -249,9 +249,10 @@ class VerifierNode(Node):
     # --- lifecycle hooks
 
     async def prepare(self) -> None:
-        if self.checker.enabled:
-            checks, cpu_s = await self.lane.run(self._benchmark)
-            self.capacity.update(checks, interval=cpu_s)
+        # also without checking (--no-verify): a relay announces what checking would sustain here, as a verifier
+        # that stopped checking would, so routes treat it as any other (peers.agreement is what notices it)
+        checks, cpu_s = await self.lane.run(self._benchmark)
+        self.capacity.update(checks, interval=cpu_s)
         self.views.listeners.append(self._restart_replaced)
 
     def _restart_replaced(self, view) -> None:
