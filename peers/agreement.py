@@ -8,12 +8,13 @@ the same mixture of tensors and, if they all check, flag about the same share of
 fewer than the others of its boundary did over the same recent microbatches is *quiet*.
 
 Two tests, over each boundary's last ``window`` judged relays (a relay counts when no other boundary tainted the
-microbatch, since a tainted microbatch is not judged downstream). Per boundary: verifier V relayed n and flagged f;
-the others flagged F of N; under "V judges as they do" its flags are Binomial(n, F / (N + 1)), and V is quiet when
-P(X <= f) < ``alpha`` and the others flagged at least ``min_flags``. With V and the others relaying as many tensors
-each, V is noticed once the others have flagged about ln(1 / alpha) tensors (9 at the default alpha 1e-4) while it
-flagged none. Per sender (the stage replicas on either side of the boundary, since the taint does not say which
-direction was replaced): the same test on the relays of one sender, once the others flagged it at least
+microbatch, since a tainted microbatch is not judged downstream). Per boundary: verifier V relayed n and flagged f; the
+others flagged F of N; under "V judges as they do" its flags are Binomial(n, F / (N + 1)), and V is quiet when P(X <=
+f) < ``alpha`` and the others flagged at least ``min_flags``. With V and the others relaying as many tensors each, V is
+noticed once the others have flagged about ln(1 / alpha) tensors (9 at the default alpha 1e-4) while it flagged none.
+Per sender (the stage replicas on either side of the boundary, since the taint does not say which direction was
+replaced): the same test on the relays of one sender from the first time any verifier flagged it (an attacker that
+turns later was honest before, and its honest relays would dilute the rate), once the others flagged it at least
 ``min_sender_flags`` times. That one is what notices a silent verifier after an honest one banned an attacker: the
 honest verifier then refuses the attacker (below an open set's quorum the attacker is not excluded), every one of the
 attacker's microbatches goes through the silent one, and two flags out of two by the honest verifier make nine
@@ -108,10 +109,14 @@ class VerifierAgreement:
         certain first, each named once."""
         found: dict[str, Quiet] = {}
         for boundary, relays in self._relays.items():
-            groups: dict[str | None, tuple[Counter, Counter]] = {}
+            groups: dict[str | None, tuple[Counter, Counter]] = {None: (Counter(), Counter())}
             for verifier, senders, flagged in relays:
                 for sender in (None, *senders):
-                    n, f = groups.setdefault(sender, (Counter(), Counter()))
+                    if sender not in groups:
+                        if not flagged:
+                            continue  # a sender's relays count from its first flag: before it, it may have been honest
+                        groups[sender] = (Counter(), Counter())
+                    n, f = groups[sender]
                     n[verifier] += 1
                     f[verifier] += flagged
             for sender, (n, f) in groups.items():

@@ -71,8 +71,8 @@ def test_a_silent_verifier_is_noticed_on_the_senders_an_honest_verifier_banned_a
     test has only two flags to go on; the per-sender one notices the silent verifier within a dozen relays."""
     agreement = VerifierAgreement()
     rng = random.Random(3)
-    for _ in range(200):  # honest traffic over both verifiers
-        agreement.settled({1: rng.choice("hs")}, [], {1: (f"stage1-{rng.randrange(2)}", "stage2-0")})
+    for _ in range(200):  # honest traffic over both verifiers, the attacker's among it before it turns
+        agreement.settled({1: rng.choice("hs")}, [], {1: (rng.choice(["stage1-0", "attacker"]), "stage2-0")})
     for _ in range(2):
         agreement.settled({1: "h"}, [1], {1: ("attacker", "stage2-0")})
     assert agreement.quiet() == []
