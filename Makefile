@@ -44,8 +44,10 @@ test-suite: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m "not image and not long"
 
 # The longest network proofs (tests marked long: stage placement and moves, recomputation audits through real
-# processes, a 90-step clean swarm of single replicas). With them the suite needed 2,623 CPU seconds, 22 minutes of
-# two cores at the least, against make test's budget of 15; they run here, on their own (about 12 minutes).
+# processes, a 90-step clean swarm of single replicas, a short churn soak, a verifier that stops checking). With the
+# first three the suite needed 2,623 CPU seconds, 22 minutes of two cores at the least, against make test's budget
+# of 15; they run here, on their own (about 12 minutes then; the soak and quiet-verifier swarms add about 4 each on
+# idle cores, estimated, not measured).
 test-long: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m long
 
