@@ -125,6 +125,11 @@ class RecordStore:
             logger.debug(f"no DHT peer acknowledged {record.kind} record under {key!r} (will be refreshed)")
         return acknowledged
 
+    @property
+    def send_lock(self) -> threading.Lock:
+        """Held while a call is sent to the DHT's process: whoever else sends one through the same DHT takes it."""
+        return self._send_lock
+
     def fetch(
         self, keys: Sequence[str], timeout: float | None = None, partial: bool = False
     ) -> dict[str, dict[str, SwarmRecord]]:

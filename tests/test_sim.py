@@ -212,12 +212,14 @@ def test_a_verifier_that_stops_checking_is_noticed_by_the_trainers_agreement_tes
     trainer runs on its routes and their taint (peers.agreement) names the silent ones once the attack is flagged
     by the others, and never an honest verifier, in this run or in the same attack with both verifiers checking."""
     sim = {"verifiers_per_boundary": 2, "silent_verifiers": 1, "rejoin": True}
-    config = small_config(sim=sim)
+    # each verifier sees half a boundary's tensors: a shorter warm-up ends it before the attack, as WARMUP does alone
+    config = small_config(sim=sim, verification={"warmup": WARMUP // 2})
     result = Mesh(config, corpus, plan("random", "activation")).run()
     assert result.silent == [f"v{k}.0" for k in range(config.pipeline.n_stages - 1)]
     attacked = {f"v{k}.0" for k in range(config.pipeline.n_stages - 1) if k > 0 or config.sim.attack_first_stage}
     assert attacked and attacked <= set(result.quiet_at), result.quiet_at
     assert set(result.quiet_at) <= set(result.silent)
     assert all(step >= ATTACK_START for step, _ in result.quiet_at.values())
-    both_check = Mesh(small_config(sim={"verifiers_per_boundary": 2}), corpus, plan("random", "activation")).run()
+    both = small_config(sim={"verifiers_per_boundary": 2}, verification={"warmup": WARMUP // 2})
+    both_check = Mesh(both, corpus, plan("random", "activation")).run()
     assert not both_check.quiet_at and not both_check.silent

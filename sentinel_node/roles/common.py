@@ -219,18 +219,23 @@ async def _rejoin(initial_peers: list[str], _dht: hivemind.DHT, node) -> int | N
     return answered
 
 
-def rejoin_if_alone(dht: hivemind.DHT, initial_peers: Iterable[str], timeout: float = 10.0) -> int | None:
+def rejoin_if_alone(
+    dht: hivemind.DHT, initial_peers: Iterable[str], timeout: float = 10.0, lock: threading.Lock | None = None
+) -> int | None:
     """Puts a DHT node whose routing table emptied back in touch with the swarm through its initial peers.
 
     hivemind drops a peer from the routing table on its first unanswered request and never falls back on the
     initial peers, so a node cut off for a while (a partition longer than a few requests) ends with an empty table:
     healed, it stores its announcements only locally and reads only its own records, and the others, who dropped it
     too, never call it again (seen: a verifier healed after 16 s relayed nothing for the rest of the run). Returns how
-    many initial peers answered, or None when the table was not empty."""
+    many initial peers answered, or None when the table was not empty. ``lock``: the one the node's record store
+    sends DHT calls under (the DHT's pipe takes one message at a time; threads must not interleave theirs)."""
     peers = list(initial_peers)
     if not peers:
         return None
-    return dht.run_coroutine(partial(_rejoin, peers), return_future=True).result(timeout=timeout)
+    with lock if lock is not None else contextlib.nullcontext():
+        future = dht.run_coroutine(partial(_rejoin, peers), return_future=True)
+    return future.result(timeout=timeout)
 
 
 def stop_dht(dht: hivemind.DHT, p2pd: int | None = None) -> None:

@@ -292,7 +292,10 @@ class Node:
         """Back in touch with the swarm through the initial peers once the DHT lost every neighbour (a partition)."""
         if not self.context.reachable():
             return
-        answered = await asyncio.to_thread(rejoin_if_alone, self.context.dht, self.context.options.initial_peers)
+        store = self.context.store
+        answered = await asyncio.to_thread(
+            rejoin_if_alone, self.context.dht, self.context.options.initial_peers, lock=store.send_lock
+        )
         if answered:  # none answering (still cut off) is tried again, quietly
             logger.warning(
                 f"this node's DHT had lost every neighbour (cut off from the swarm?); {answered} of "

@@ -442,7 +442,8 @@ class TrainerNode(Node):
                     for hops, reply in zip(routes, results, strict=True):
                         for a, b in zip(hops, hops[1:], strict=False):
                             self.apart.register_success(a.peer_id, b.peer_id)
-                        self._judged(hops, reply.metadata.taint)
+                        if train:  # validation microbatches are not judged as training ones are
+                            self._judged(hops, reply.metadata.taint)
                     losses = [r.metadata.loss for r in results]
                     if None in losses:
                         outcome = "dropped"
