@@ -283,14 +283,48 @@ def test_attacks_are_flagged_after_warmup(streams):
         assert verdict.over and set(verdict.over) <= set(METRICS)
 
 
-def test_flagged_tensors_never_move_the_baseline(streams):
+def test_blatantly_flagged_tensors_never_move_the_baseline(streams):
     monitor = warmed_monitor(streams)
     before = snapshot(monitor)
     for i, tensor in enumerate(streams.activations[WARMUP : WARMUP + 5]):
-        assert monitor.check(attacks.bias(tensor, i, {}), "attacker").flagged
+        verdict = monitor.check(attacks.constant(tensor, i, {}), "attacker", content=i)
+        assert verdict.flagged and verdict.blatant
     assert same_snapshot(before, snapshot(monitor))
     assert not monitor.check(streams.activations[WARMUP + 5], "honest").flagged
     assert not same_snapshot(before, snapshot(monitor))  # the control: an accepted tensor does move it
+
+
+def test_a_lone_senders_moderate_flags_move_the_ema_but_never_teach_the_fences(streams):
+    monitor = warmed_monitor(streams)
+    reference, updates, accepted, windows = snapshot(monitor)
+    flagged = 0
+    for i, tensor in enumerate(streams.activations[WARMUP : WARMUP + 5]):
+        verdict = monitor.check(attacks.bias(tensor, i, {}, offset=0.5), "honest", step=WARMUP + i)
+        flagged += verdict.flagged and not verdict.blatant
+    assert flagged >= 1
+    _, updates_after, accepted_after, windows_after = snapshot(monitor)
+    assert updates_after == updates + 5  # the EMA followed every one (accepted or moderately flagged)
+    assert accepted_after == accepted + 5 - flagged  # the fences learned from the accepted ones only
+    assert sum(map(len, windows_after.values())) == sum(map(len, windows.values())) + (5 - flagged) * len(windows)
+
+
+def test_a_lone_senders_honest_shift_is_followed_and_not_banned_and_a_lasting_attack_is(streams):
+    """A lone sender (no peers, so the EMA is the reference) whose tensors all shift at once, as when the only replica
+    of a stage takes an averaging round: flags in the step of the shift give one strike, then the EMA follows and
+    the flags stop. The control: an attacker whose every tensor stays away from the reference is banned."""
+    per_step = 4
+    tensors = streams.activations[WARMUP:]
+    shifted = warmed_monitor(streams)
+    verdicts = [
+        shifted.check(attacks.scale(t, 0, {}, sigma=1.6), "honest", step=i // per_step) for i, t in enumerate(tensors)
+    ]
+    first = next(i for i, v in enumerate(verdicts) if v.flagged)
+    assert sum(v.flagged for v in verdicts[first + 2 * per_step :]) == 0, [v.reason for v in verdicts if v.flagged]
+    assert not shifted.ledger.is_banned("honest") and shifted.ledger.senders["honest"].strikes <= 2
+    attacked = warmed_monitor(streams)
+    for i, t in enumerate(tensors):
+        attacked.check(attacks.scale(t, 0, {}, sigma=-1.0) if i % 2 else attacks.bias(t, i, {}, 1.5), "a", step=i)
+    assert attacked.ledger.is_banned("a")
 
 
 MALFORMED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -426,6 +460,23 @@ def test_an_honest_sender_with_a_rare_glitch_is_forgiven(streams):
     # the control: the same glitches without forgiveness ban
     unforgiving = glitching_sender(streams, every, strike_limit=strike_limit, forgive_after=10**6)
     assert unforgiving.ledger.is_banned("honest")
+
+
+def test_statistical_flags_of_one_step_give_one_strike_and_blatant_ones_each_their_own():
+    ledger = SenderStrikes(strike_limit=3, forgive_after=100)
+    for _ in range(4):
+        ledger.record("shifted", True, step=7)
+    record = ledger.senders["shifted"]
+    assert (record.flags, record.strikes, record.banned) == (4, 1, False)
+    ledger.record("shifted", True, step=8)
+    ledger.record("shifted", True, step=9)
+    assert ledger.is_banned("shifted")  # three steps of flags
+    for _ in range(2):
+        ledger.record("blatant", True, weight=2, blatant=True, step=7)
+    assert ledger.is_banned("blatant")
+    for _ in range(3):
+        ledger.record("unstepped", True)  # a caller that knows no step: every flag is its own evidence
+    assert ledger.is_banned("unstepped")
 
 
 def test_ledger_forgives_one_strike_after_f_clean_checks():

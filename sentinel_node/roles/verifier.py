@@ -467,7 +467,11 @@ class VerifierNode(Node):
     async def _check(
         self, boundary: int, direction: str, tensor: torch.Tensor | None, sender: str, tainted: bool, content: int
     ) -> Verdict:
-        verdict, cpu_s = await self.lane.run(self._timed_check, boundary, direction, tensor, sender, tainted, content)
+        # the step as the swarm's replicas announce it (a robust median): the sender's metadata could claim any
+        step = self.views.view.step_estimate()
+        verdict, cpu_s = await self.lane.run(
+            self._timed_check, boundary, direction, tensor, sender, tainted, content, step
+        )
         self.stats.cpu_s += cpu_s
         if verdict.skipped:
             self.stats.skipped += 1
@@ -488,10 +492,17 @@ class VerifierNode(Node):
         return verdict
 
     def _timed_check(
-        self, boundary: int, direction: str, tensor: torch.Tensor | None, sender: str, tainted: bool, content: int
+        self,
+        boundary: int,
+        direction: str,
+        tensor: torch.Tensor | None,
+        sender: str,
+        tainted: bool,
+        content: int,
+        step: int,
     ) -> tuple[Verdict, float]:
         started = time.thread_time()
-        verdict = self.checker.check(boundary, direction, tensor, sender, tainted, content)
+        verdict = self.checker.check(boundary, direction, tensor, sender, tainted, content, step)
         return verdict, time.thread_time() - started
 
     def _maybe_publish(self, boundary: int, direction: str, sender: str, verdict: Verdict) -> None:

@@ -295,7 +295,7 @@ class Mesh:
     ) -> Verdict:
         index = self._choose(range(len(self.verifiers[boundary])), "verifier", boundary, name)
         verifier = self.verifiers[boundary][index]
-        verdict = verifier.check(boundary, direction, tensor, sender.id, tainted, content=content)
+        verdict = verifier.check(boundary, direction, tensor, sender.id, tainted, content=content, step=step)
         self._relayed[boundary] = f"v{boundary}.{index}"
         self._senders.setdefault(boundary, set()).add(sender.id)
         if verdict.flagged:

@@ -8,7 +8,8 @@ from sentinel_node.verification.profile import Profile
 
 
 class EmaBaseline:
-    """An exponential moving average of accepted profiles; never fed a flagged tensor."""
+    """An exponential moving average of profiles: accepted ones, and where it is the reference (fewer than three
+    senders) moderately flagged ones too; never a blatant one (see the monitor)."""
 
     def __init__(self, beta: float):
         self.beta = beta

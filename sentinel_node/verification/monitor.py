@@ -159,7 +159,9 @@ class BoundaryMonitor:
     `check(tensor, sender, content=...)` returns a Verdict; the strike ledger (shared by a verifier's monitors when
     it passes one in) says when a sender is banned. Tensors of tainted microbatches are neither judged nor learned
     from. `content` names the microbatch's tokens (a hash of its targets): near-copies of the same content are
-    legitimate (retries, duplicate computation), of other content they are replays.
+    legitimate (retries, duplicate computation), of other content they are replays. `step` is the global step the
+    check falls in, as the caller knows it (not as the sender claims it): statistical flags of one step give one
+    strike at most.
     `dtype` is the boundary's wire dtype (float32, bfloat16 or float16): a tensor of another is malformed, the
     statistics are taken in float32 whatever it is, and replacements are made in it. `device` is where the
     statistics are computed (a GPU verifier's); the baseline, the verdicts and the tensors passed on stay on the CPU.
@@ -226,7 +228,14 @@ class BoundaryMonitor:
         median = self.peer_reference.reference()
         return median if median is not None else self.baseline.reference
 
-    def check(self, tensor: torch.Tensor, sender: str, tainted: bool = False, content: int | None = None) -> Verdict:
+    def check(
+        self,
+        tensor: torch.Tensor,
+        sender: str,
+        tainted: bool = False,
+        content: int | None = None,
+        step: int | None = None,
+    ) -> Verdict:
         problem, scan = self._malformed(tensor)
         if tainted:
             # an honest peer downstream of a replaced tensor is not to blame; only keep garbage from travelling
@@ -237,7 +246,8 @@ class BoundaryMonitor:
 
         copied = self._replayed(tensor, sender, content)
         profile = self.profiler.profile(scan)
-        reference = self.reference()
+        median = self.peer_reference.reference()
+        reference = median if median is not None else self.baseline.reference
         self.peer_reference.observe(sender, profile)
         if reference is None:
             self._accept(profile, {})
@@ -254,9 +264,17 @@ class BoundaryMonitor:
         if copied is not None:
             return self._flag(tensor, sender, VerdictKind.REPLAY, blatant=True, replay=copied, **evidence)
         if over and (blatant or not shared):
-            return self._flag(tensor, sender, VerdictKind.METRIC, over=over, blatant=blatant, **evidence)
+            if median is None and not blatant:
+                # no majority to lean on (fewer than three senders): the EMA is the reference, and one that only
+                # learns from accepted tensors never follows an honest shift of a lone sender, which would then be
+                # flagged on every tensor. A moderate crossing moves it, as flagged tensors enter the median's pool;
+                # a lone sender walking it this way pays a strike a step (one it could walk below the fences free)
+                self.baseline.update(profile)
+            return self._flag(tensor, sender, VerdictKind.METRIC, over=over, blatant=blatant, step=step, **evidence)
         if alarm is not None:
-            return self._flag(tensor, sender, VerdictKind.PEER, over=(alarm.metric,), peer=alarm, **evidence)
+            return self._flag(
+                tensor, sender, VerdictKind.PEER, over=(alarm.metric,), peer=alarm, step=step, **evidence
+            )
         warming_up = self.warming_up
         self._accept(profile, scores)
         verdict = self._accepted(tensor, sender, scores, limits, severity, warming_up)
@@ -317,8 +335,11 @@ class BoundaryMonitor:
         blatant: bool = False,
         replay: ReplayMatch | None = None,
         peer: PeerAlarm | None = None,
+        step: int | None = None,
     ) -> Verdict:
-        record = self.ledger.record(sender, True, weight=2 if blatant else 1, blatant=blatant)
+        """`step` only for statistical flags (a metric's fence, the peer test): those of one step are one piece of
+        evidence (:meth:`SenderStrikes.record`). A malformed tensor or a replay is evidence on its own."""
+        record = self.ledger.record(sender, True, weight=2 if blatant else 1, blatant=blatant, step=step)
         if record.banned:
             self.peer_reference.forget(sender)
             self.peers.forget(sender)

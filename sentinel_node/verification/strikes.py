@@ -32,6 +32,7 @@ class SenderRecord:
     blatant: int = 0  # blatant flags not yet forgiven
     blatant_streak: int = 0  # clean checks since the last blatant flag or the last forgiven mark
     founder: bool = False  # first heard while the ledger itself was new: never on probation
+    struck_step: int | None = None  # the global step of the last strike a non-blatant flag gave
 
     @property
     def clean(self) -> int:
@@ -91,8 +92,16 @@ class SenderStrikes:
     def _probation(self, rec: SenderRecord) -> bool:
         return self.probation > 0 and not rec.founder and rec.clean < self.probation
 
-    def record(self, sender: str, flagged: bool, weight: int = 1, blatant: bool = False) -> SenderRecord:
-        """Counts one check of `sender`; a flag adds `weight` strikes (and a mark when `blatant`)."""
+    def record(
+        self, sender: str, flagged: bool, weight: int = 1, blatant: bool = False, step: int | None = None
+    ) -> SenderRecord:
+        """Counts one check of `sender`; a flag adds `weight` strikes (and a mark when `blatant`).
+
+        `step` is the global step the check falls in, as the caller knows it independently of the sender (the
+        swarm's step estimate): a flag that is not blatant adds no strike in a step in which one already did. The
+        microbatches of one step are computed with the same parameters, so their flags are one piece of evidence,
+        not several: an honest replica whose tensors all shift together (a loss spike, an averaging round, the only
+        replica of a stage with no peers to share the shift) is flagged on several of them in a row."""
         rec = self._record(sender)
         self.recorded += 1
         probation = self._probation(rec)
@@ -100,7 +109,10 @@ class SenderStrikes:
         if flagged:
             rec.flags += 1
             rec.clean_streak = 0
-            if not rec.banned:
+            repeated = not blatant and step is not None and rec.struck_step == step
+            if not rec.banned and not repeated:
+                if not blatant and step is not None:
+                    rec.struck_step = step
                 rec.strikes += max(1, weight)
                 if blatant:
                     rec.blatant += 1
