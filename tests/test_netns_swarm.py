@@ -120,6 +120,18 @@ class Chaos:
             self.phase = "verifier healed"
 
 
+def verdicts_logged(swarm: Demo) -> list[str]:
+    """The verifiers' flag and ban lines: what an assertion about exclusions says when it fails."""
+    lines = []
+    for name in ("verifier0", "verifier1"):
+        lines += [
+            f"{name}: {line}"
+            for line in swarm.node(name).log_tail(200000).splitlines()
+            if "flagged" in line or "banned" in line
+        ]
+    return lines
+
+
 def served(moment: dict, name: str) -> int:
     status = moment["status"][name]
     return status.served if isinstance(status, StageStatus) else status.relayed
@@ -134,7 +146,7 @@ def test_training_goes_on_through_the_partitions_and_no_microbatch_is_lost_or_se
     per_step = swarm.config.pipeline.microbatches_per_step
     assert accounting.consistent and accounting.in_flight == 0
     assert accounting.sent == STEPS * per_step, accounting
-    assert accounting.failed == 0 and accounting.dropped == 0, accounting
+    assert accounting.failed == 0 and accounting.dropped == 0, (accounting, verdicts_logged(swarm))
     assert accounting.succeeded == accounting.sent
     # during each partition the stage went on through the other replica, the boundary through the other verifier
     cut, healed = chaos.moments["stage cut"], chaos.moments["stage healed"]
@@ -161,7 +173,7 @@ def test_every_view_converges_with_nobody_honest_excluded_or_struck(swarm):
     result = swarm.result
     views = swarm.views()
     assert set(views) == {"stage0-0", "stage0-1", "stage1-0", "verifier0", "verifier1", "trainer"}
-    assert all(view == [] for view in views.values()), views
+    assert all(view == [] for view in views.values()), (views, verdicts_logged(swarm))
     # the strike records every node reads are the same, and none holds a strike (audits publish records too)
     strikes = {name: swarm.node(name).status().strikes for name in views}
     assert len({repr(sorted(s.items())) for s in strikes.values()}) == 1, strikes

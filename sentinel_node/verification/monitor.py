@@ -160,8 +160,8 @@ class BoundaryMonitor:
     it passes one in) says when a sender is banned. Tensors of tainted microbatches are neither judged nor learned
     from. `content` names the microbatch's tokens (a hash of its targets): near-copies of the same content are
     legitimate (retries, duplicate computation), of other content they are replays. `step` is the global step the
-    check falls in, as the caller knows it (not as the sender claims it): statistical flags of one step give one
-    strike at most.
+    check falls in, as the caller knows it (not as the sender claims it): a lone sender's moderate flags of one step
+    give it one strike at most.
     `dtype` is the boundary's wire dtype (float32, bfloat16 or float16): a tensor of another is malformed, the
     statistics are taken in float32 whatever it is, and replacements are made in it. `device` is where the
     statistics are computed (a GPU verifier's); the baseline, the verdicts and the tensors passed on stay on the CPU.
@@ -264,17 +264,17 @@ class BoundaryMonitor:
         if copied is not None:
             return self._flag(tensor, sender, VerdictKind.REPLAY, blatant=True, replay=copied, **evidence)
         if over and (blatant or not shared):
-            if median is None and not blatant:
+            alone = median is None and not blatant
+            if alone:
                 # no majority to lean on (fewer than three senders): the EMA is the reference, and one that only
                 # learns from accepted tensors never follows an honest shift of a lone sender, which would then be
                 # flagged on every tensor. A moderate crossing moves it, as flagged tensors enter the median's pool;
                 # a lone sender walking it this way pays a strike a step (one it could walk below the fences free)
                 self.baseline.update(profile)
+            step = step if alone else None  # with peers, a shift of one sender's own is evidence on every tensor
             return self._flag(tensor, sender, VerdictKind.METRIC, over=over, blatant=blatant, step=step, **evidence)
         if alarm is not None:
-            return self._flag(
-                tensor, sender, VerdictKind.PEER, over=(alarm.metric,), peer=alarm, step=step, **evidence
-            )
+            return self._flag(tensor, sender, VerdictKind.PEER, over=(alarm.metric,), peer=alarm, **evidence)
         warming_up = self.warming_up
         self._accept(profile, scores)
         verdict = self._accepted(tensor, sender, scores, limits, severity, warming_up)
@@ -337,8 +337,9 @@ class BoundaryMonitor:
         peer: PeerAlarm | None = None,
         step: int | None = None,
     ) -> Verdict:
-        """`step` only for statistical flags (a metric's fence, the peer test): those of one step are one piece of
-        evidence (:meth:`SenderStrikes.record`). A malformed tensor or a replay is evidence on its own."""
+        """`step` only for a lone sender's moderate fence crossings: those of one step are one piece of evidence
+        (:meth:`SenderStrikes.record`). A malformed tensor, a replay, a blatant crossing, and a crossing its peers
+        do not share are evidence each."""
         record = self.ledger.record(sender, True, weight=2 if blatant else 1, blatant=blatant, step=step)
         if record.banned:
             self.peer_reference.forget(sender)
