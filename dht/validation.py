@@ -186,12 +186,21 @@ def check_averager_entry(
 
 
 class SwarmRecordValidator(RecordValidatorBase):
-    """Accepts a DHT record only if it fits this swarm's namespace (see the module docstring)."""
+    """Accepts a DHT record only if it fits this swarm's namespace (see the module docstring).
 
-    def __init__(self, rules: SwarmRules):
+    Like :class:`SignatureValidator` it remembers what it accepted, for the last `remember` records: everything
+    :func:`check_record` checks is a function of the record's bytes except its times against the clock, so a record
+    read again (every node reads the whole swarm every announce period) is only checked for those. Parsing it again
+    was a fifth of an idle loopback node's DHT process (docs/decisions.md, "The suite's time"). Refusals are not
+    remembered: a garbage record costs its sender as much to send as it costs here to refuse."""
+
+    def __init__(self, rules: SwarmRules, remember: int = 4096):
         self.rules = rules
         self._namespace = Namespace(rules)
         self._warned = OncePer(64)
+        self._accepted: OrderedDict[bytes, SwarmRecord] = OrderedDict()
+        self._remember = remember
+        self._accepted_lock = threading.Lock()
 
     def validate(self, record: DHTRecord) -> bool:
         if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
@@ -211,7 +220,7 @@ class SwarmRecordValidator(RecordValidatorBase):
             if averager is not None:
                 check_averager_entry(averager, subkey, value, record.expiration_time, now)
             else:
-                check_record(self.rules, record.key, subkey, value, record.expiration_time, now)
+                self._check(record, subkey, value, now)
         except ForeignConfigError as e:
             self._warn_foreign(e.config_hash)
             return False
@@ -219,6 +228,21 @@ class SwarmRecordValidator(RecordValidatorBase):
             logger.debug(f"refused a record: {e}")
             return False
         return True
+
+    def _check(self, record: DHTRecord, subkey: object, value: object, now: float) -> None:
+        name = _record_digest(record)
+        with self._accepted_lock:
+            known = self._accepted.get(name)
+            if known is not None:
+                self._accepted.move_to_end(name)
+        if known is not None:
+            _check_times(self.rules, known, record.expiration_time, now)
+            return
+        parsed = check_record(self.rules, record.key, subkey, value, record.expiration_time, now)
+        with self._accepted_lock:
+            self._accepted[name] = parsed
+            while len(self._accepted) > self._remember:
+                self._accepted.popitem(last=False)
 
     def _warn_foreign(self, config_hash: str) -> None:
         if not self._warned.first(config_hash):
