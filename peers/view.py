@@ -19,7 +19,7 @@ from dht.records import (
     TrainerAnnouncement,
     VerifierAnnouncement,
 )
-from dht.store import RecordStore
+from dht.store import DHTUnavailable, RecordStore
 from peers.health import Health
 from peers.ledger import StrikeLedger
 from peers.policy import Exclusion, ExclusionPolicy
@@ -85,7 +85,8 @@ class SwarmView:
 
 
 class SwarmWatcher:
-    """Builds :class:`SwarmView` snapshots from the DHT; each :meth:`refresh` is two bounded rounds of reads.
+    """Builds :class:`SwarmView` snapshots from the DHT; each :meth:`refresh` is one bounded round of reads (two
+    when peers were announced that the last one did not know).
 
     The store has already dropped every record the swarm's rules refuse (unadmitted trainers and verifiers among
     them). Strike records are kept per accused peer, so the watcher asks about every announced peer, plus peers it
@@ -131,11 +132,25 @@ class SwarmWatcher:
         deadline = time.monotonic() + self.store.timeout
         keys = self.store.keys
         stage_keys = [keys.stage(k) for k in range(self.n_stages)]
-        found = self.store.fetch([*stage_keys, keys.verifiers, keys.trainers, keys.bootstraps])
+        fixed = [*stage_keys, keys.verifiers, keys.trainers, keys.bootstraps]
         with self._lock:
             suspects = set(self._accused)
             before = self._view
             previous = before.ledger
+        self._turn += 1
+        # one traversal reads the announcements and the strike keys of the peers announced last time: in a steady
+        # swarm nobody is new, and a second traversal only for the strike keys doubled an idle node's reads
+        known = set(before.verifiers) | set(before.trainers) | {p for r in before.stages.values() for p in r}
+        asked = suspects | set(also_ask_about) | self._turn_of(known - suspects, rotation)
+        strike_keys = {peer: keys.strikes(peer) for peer in sorted(asked)}
+        found = self.store.fetch([*fixed, *strike_keys.values()], partial=True)
+        missing = [key for key in fixed if key not in found]
+        if missing:
+            raise DHTUnavailable(
+                f"the DHT gave no answer within {self.store.timeout:.1f}s for {len(missing)} of {len(fixed)} keys "
+                f"(first: {missing[0]!r})",
+                found={key: found[key] for key in fixed if key in found},
+            )
         now = get_dht_time()
         stages = {
             k: self._kept(before.stages.get(k, {}), _of_type(found[key], StageAnnouncement), now)
@@ -145,24 +160,21 @@ class SwarmWatcher:
         trainers = self._kept(before.trainers, _of_type(found[keys.trainers], TrainerAnnouncement), now)
         bootstraps = self._kept(before.bootstraps, _of_type(found[keys.bootstraps], BootstrapAnnouncement), now)
 
-        unaccused: set[str] = set(verifiers) | set(trainers)
+        announced: set[str] = set(verifiers) | set(trainers)
         for replicas in stages.values():
-            unaccused.update(replicas)
-        unaccused -= suspects
-        self._turn += 1
-        if rotation > 1 and self._read_all_once:  # a node that never read every strike key reads them all
-            unaccused = {peer for peer in unaccused if _slot(peer, rotation) == self._turn % rotation}
-        suspects.update(unaccused, also_ask_about)
-        strike_keys = {peer: keys.strikes(peer) for peer in sorted(suspects)}
-        strikes = self.store.fetch(
-            list(strike_keys.values()), timeout=max(0.0, deadline - time.monotonic()), partial=True
-        )
-        self._read_all_once |= all(key in strikes for key in strike_keys.values())
+            announced.update(replicas)
+        new = {peer: keys.strikes(peer) for peer in sorted(self._turn_of(announced - known - suspects, rotation))}
+        if new:  # peers first announced now: their strike keys in a second traversal, before they are trusted
+            found.update(
+                self.store.fetch(list(new.values()), timeout=max(0.0, deadline - time.monotonic()), partial=True)
+            )
+            strike_keys.update(new)
+        self._read_all_once |= all(key in found for key in strike_keys.values())
         records = []
         now = get_dht_time()
         for peer, key in strike_keys.items():
-            if key in strikes:
-                records += _of_type(strikes[key], StrikeRecord).values()
+            if key in found:
+                records += _of_type(found[key], StrikeRecord).values()
             else:  # no answer in time: what this key said last time still stands (records expire on their own)
                 records += [r for r in previous.about(peer) if r.time >= now - self.store.rules.strike_ttl]
         ledger = StrikeLedger.from_records(records)
@@ -183,6 +195,13 @@ class SwarmWatcher:
             self._accused = set(ledger.accused())
             self._view = view
         return view
+
+    def _turn_of(self, unaccused: set[str], rotation: int) -> set[str]:
+        """The unaccused peers whose strike keys this refresh reads: all of them, or with ``rotation`` n > 1 (once
+        one refresh read every key) those of this turn's slot."""
+        if rotation > 1 and self._read_all_once:
+            return {peer for peer in unaccused if _slot(peer, rotation) == self._turn % rotation}
+        return set(unaccused)
 
     def _kept(self, before: Mapping[str, Announcement], read: dict[str, Announcement], now: float) -> dict:
         """What a key holds: the announcements just read, and those read before that this read missed but that
