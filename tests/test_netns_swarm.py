@@ -30,7 +30,10 @@ from sentinel_node.demo import DEMO_CONFIG_PATH, Demo, DemoSettings
 from sentinel_node.roles.status import StageStatus, VerifierStatus
 from sentinel_node.supervisor import Placement
 
-STEPS = 24
+# after the last heal the healed verifier needs a few seconds to be read back into the trainer's view (its
+# announcement expired while it was cut; a refresh every announce period of 2 s): steps after the partitions take
+# 0.25 s on idle cores, and 24 steps in all once left it 3.5 s, not enough (it relayed nothing after its heal)
+STEPS = 40
 CUT_STAGE_AT = 3  # step at which stage0-1 is cut off
 PARTITION_S = 16.0  # longer than the demo config's announce_ttl (12 s): the cut node drops out of every view
 AFTER_HEAL = 3  # steps the healed stage replica serves before the verifier is cut
