@@ -15,6 +15,7 @@ It stops every process it started (the demo's LocalSwarm), on success, failure o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -33,7 +34,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--probation", type=int, required=True, help="verification.probation (0: none)")
     parser.add_argument("--lives", type=int, default=4, help="identities the attacker takes after its first")
-    parser.add_argument("--steps", type=int, default=80, help="global steps the trainer runs at most")
+    parser.add_argument("--steps", type=int, default=600, help="global steps the trainer runs at most")
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="sybil-"))
@@ -70,7 +71,7 @@ def main() -> int:
                 }
             )
             if len(lives) > args.lives:
-                return
+                raise _Done  # every life measured: the rest of the training would tell nothing more
             demo.swarm.kill(attacker["name"])
             name = f"stage1-sybil{len(lives)}"
             create_identity_file(demo.swarm.identity(name))  # a fresh key: a new peer id
@@ -79,7 +80,8 @@ def main() -> int:
             demo.swarm.wait_ready([started], 900)
             attacker.update(name=name, peer=started.peer_id, since=_serving_step(demo))
 
-        demo.train(on_step=on_step)
+        with contextlib.suppress(_Done):  # leaving the Demo stops every node, the trainer with them
+            demo.train(on_step=on_step)
     out = {"probation": args.probation, "lives": lives, "first": lives[:1], "later": lives[1:]}
     later = lives[1:]
     if later:
@@ -87,6 +89,10 @@ def main() -> int:
         out["mean_flags_later"] = sum(x["flags"] for x in later) / len(later)
     print(json.dumps(out, indent=2))
     return 0 if len(lives) > args.lives else 1
+
+
+class _Done(Exception):
+    """Raised from the step callback once every life is measured."""
 
 
 def _serving_step(demo: Demo) -> int:
