@@ -115,6 +115,7 @@ MOVE_DRAIN_S = 30.0
 # reads may time out for a while (at a load average of 38 on 2 cores a restarted replica's failed for over 60 s).
 SWARM_READ_TIMEOUT_S = 300.0
 SWARM_READ_REPORT_S = 15.0  # it says it is waiting this often
+CATCH_UP_SYNCS = 3  # states taken again when the swarm trained on while one downloaded
 RESYNC_DRAIN_S = 20.0  # the most a resync waits for the microbatches in flight before it replaces the parameters
 
 
@@ -362,6 +363,12 @@ class StageNode(Node):
         if self.averager is not None:
             await self.state.sync(self._other_replicas, self.averager, self.lane)
             self.last_step = self.state.step
+            for _ in range(CATCH_UP_SYNCS):
+                # the swarm trains on while a state downloads: a replica that joins a fast one takes it again
+                if self.state.synced_from is None or self.last_step >= await self._swarm_step():
+                    break
+                await self.state.sync(self._other_replicas, self.averager, self.lane)
+                self.last_step = self.state.step
         await self._check_not_behind()
         if self.averager is not None:
             self.averager.share_state(self.state.current)
@@ -458,6 +465,14 @@ class StageNode(Node):
         swarm_step = view.step_estimate(exclude=self.peer_id)
         if self.last_step >= swarm_step:
             return
+        if self.state.synced_from is not None:
+            # a live replica's state, taken again and again while the swarm trained on: not a stale checkpoint. The
+            # first call of a later step finds the steps it lacks and takes the state once more (_notice_missed)
+            logger.info(
+                f"stage {self.stage}: the state taken is at step {self.last_step}, the swarm's at {swarm_step} (it "
+                "trains faster than a state downloads); the first call of a later step takes the state again"
+            )
+            return
         mine = "fresh weights" if self.last_step < 0 else f"step {self.last_step}"
         where = f" (checkpoint in {self.state.state_dir})" if self.state.resumed_from is not None else ""
         others = [a for a in view.live_replicas(self.stage) if a.peer_id != self.peer_id]
@@ -481,6 +496,9 @@ class StageNode(Node):
             )
         with self.state.lock:
             self.state.step = self.last_step = swarm_step
+
+    async def _swarm_step(self) -> int:
+        return (await self._read_swarm()).step_estimate(exclude=self.peer_id)
 
     async def _other_replicas(self) -> list[str]:
         view = await self._read_swarm()
