@@ -185,6 +185,31 @@ def check_averager_entry(
     return AveragerEntry(stage, kind, subkey, value)
 
 
+class _Remembered:
+    """The last `size` values by a record's digest, the oldest forgotten first; safe to share between threads."""
+
+    def __init__(self, size: int) -> None:
+        self._values: OrderedDict[bytes, object] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def get(self, name: bytes) -> object | None:
+        with self._lock:
+            value = self._values.get(name)
+            if value is not None:
+                self._values.move_to_end(name)
+            return value
+
+    def put(self, name: bytes, value: object) -> None:
+        with self._lock:
+            self._values[name] = value
+            while len(self._values) > self._size:
+                self._values.popitem(last=False)
+
+
 class SwarmRecordValidator(RecordValidatorBase):
     """Accepts a DHT record only if it fits this swarm's namespace (see the module docstring).
 
@@ -198,9 +223,7 @@ class SwarmRecordValidator(RecordValidatorBase):
         self.rules = rules
         self._namespace = Namespace(rules)
         self._warned = OncePer(64)
-        self._accepted: OrderedDict[bytes, SwarmRecord] = OrderedDict()
-        self._remember = remember
-        self._accepted_lock = threading.Lock()
+        self._accepted = _Remembered(remember)  # digest -> the SwarmRecord it parsed to
 
     def validate(self, record: DHTRecord) -> bool:
         if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
@@ -231,18 +254,11 @@ class SwarmRecordValidator(RecordValidatorBase):
 
     def _check(self, record: DHTRecord, subkey: object, value: object, now: float) -> None:
         name = _record_digest(record)
-        with self._accepted_lock:
-            known = self._accepted.get(name)
-            if known is not None:
-                self._accepted.move_to_end(name)
+        known = self._accepted.get(name)
         if known is not None:
             _check_times(self.rules, known, record.expiration_time, now)
             return
-        parsed = check_record(self.rules, record.key, subkey, value, record.expiration_time, now)
-        with self._accepted_lock:
-            self._accepted[name] = parsed
-            while len(self._accepted) > self._remember:
-                self._accepted.popitem(last=False)
+        self._accepted.put(name, check_record(self.rules, record.key, subkey, value, record.expiration_time, now))
 
     def _warn_foreign(self, config_hash: str) -> None:
         if not self._warned.first(config_hash):
@@ -283,26 +299,19 @@ class SignatureValidator(RSASignatureValidator):
 
     def __init__(self, private_key=None, remember: int = 4096):
         super().__init__(private_key)
-        self._verdicts: OrderedDict[bytes, bool] = OrderedDict()
-        self._remember = remember
-        self._verdicts_lock = threading.Lock()
+        self._verdicts = _Remembered(remember)  # digest -> True or False
 
     def validate(self, record: DHTRecord) -> bool:
         name = _record_digest(record)
-        with self._verdicts_lock:
-            verdict = self._verdicts.get(name)
-            if verdict is not None:
-                self._verdicts.move_to_end(name)
-                return verdict
+        verdict = self._verdicts.get(name)
+        if verdict is not None:
+            return verdict
         try:
             verdict = super().validate(record)
         except Exception as e:  # cryptography raises ValueError, UnsupportedAlgorithm, binascii.Error, ...
             logger.debug(f"refused a record whose owner tag holds no RSA key: {type(e).__name__}")
             verdict = False
-        with self._verdicts_lock:
-            self._verdicts[name] = verdict
-            while len(self._verdicts) > self._remember:
-                self._verdicts.popitem(last=False)
+        self._verdicts.put(name, verdict)
         return verdict
 
 

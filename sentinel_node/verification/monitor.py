@@ -225,8 +225,12 @@ class BoundaryMonitor:
 
     def reference(self) -> Profile | None:
         """What tensors are judged against: the senders' median, or with fewer than three senders the EMA."""
+        return self._references()[1]
+
+    def _references(self) -> tuple[Profile | None, Profile | None]:
+        """The senders' median (None with fewer than three senders), and what tensors are judged against."""
         median = self.peer_reference.reference()
-        return median if median is not None else self.baseline.reference
+        return median, median if median is not None else self.baseline.reference
 
     def check(
         self,
@@ -246,8 +250,7 @@ class BoundaryMonitor:
 
         copied = self._replayed(tensor, sender, content)
         profile = self.profiler.profile(scan)
-        median = self.peer_reference.reference()
-        reference = median if median is not None else self.baseline.reference
+        median, reference = self._references()
         self.peer_reference.observe(sender, profile)
         if reference is None:
             self._accept(profile, {})
