@@ -157,7 +157,13 @@ class VerificationConfig(_Strict):
         description="smallest threshold per metric, so a flat window cannot flag noise",
     )
     row_clip: float = Field(4.0, gt=1, description="rows (tokens) are clipped to this many times the median row norm")
-    warmup: int = Field(150, ge=1, description="accepted tensors per boundary before anything can be flagged")
+    warmup: int = Field(150, ge=1, description="accepted tensors per boundary before a moderate crossing is flagged")
+    warmup_blatant_after: int = Field(
+        32,
+        ge=0,
+        description="accepted tensors after which a blatant crossing is flagged even in warm-up, where a majority "
+        "of senders is the reference (0: never)",
+    )
     strike_limit: int = Field(3, ge=1, description="S: strikes at which a sender is banned")
     forgive_after: int = Field(100, ge=1, description="F: clean checks that forgive one strike")
     blatant_severity: float = Field(

@@ -1086,3 +1086,38 @@ def test_an_honest_newcomer_passes_probation_and_a_rejoining_attacker_is_banned_
             verdict = monitor.check(noise(tensors[n], 0, {"seed": n}), identity)
             assert verdict.flagged and verdict.blatant
         assert monitor.ledger.is_banned(identity), identity
+
+
+@pytest.mark.parametrize("blatant_after", [32, 0], ids=["fenced", "unfenced"])
+def test_a_blatant_attack_starting_in_warm_up_is_flagged_there_where_peers_are_the_reference(streams, blatant_after):
+    # the sweep's start_blatant: noise from a step inside warm-up was learned by the baseline and the fences, and
+    # the ban came only after warm-up, 1-2% of validation loss later. The peer test is off here (it can catch such
+    # noise too, once its pool has filled): the fences alone, with warmup_blatant_after 0 as the control
+    warmup, start = STREAM_STEPS - 10, 60
+    overrides = dict(warmup=warmup, warmup_blatant_after=blatant_after, peer_limit=0.0)
+    monitor = BoundaryMonitor(settings("activation", **overrides), HIDDEN, expected_shape=SHAPE)
+    found = []
+    for i, tensor in enumerate(streams.activations):
+        sender = SENDERS[i % 4]
+        if sender == "d" and i >= start:
+            tensor = attacks.random_noise(tensor, i, {"seed": i})
+        found.append((i, sender, monitor.check(tensor, sender)))
+    attacked = [v for i, s, v in found if s == "d" and i >= start][:30]
+    assert all(v.warming_up for v in attacked)
+    assert not [(i, s, v.reason) for i, s, v in found if s != "d" and v.flagged]
+    if blatant_after:
+        assert attacked[0].flagged and attacked[0].blatant, (attacked[0].scores, attacked[0].thresholds)
+        assert attacked[1].banned  # two blatant flags weigh four strikes
+    else:
+        assert not any(v.flagged for v in attacked)
+
+
+def test_a_lone_sender_is_judged_by_no_fence_in_warm_up():
+    monitor_settings = settings(warmup=1000)
+    assert monitor_settings.warmup_blatant_after > 0
+    monitor = BoundaryMonitor(monitor_settings, HIDDEN, expected_shape=SHAPE)
+    generator = torch.Generator().manual_seed(0)
+    honest = [torch.randn(SHAPE, generator=generator) for _ in range(60)]
+    # a lone sender's EMA is still forming: even noise a hundred times larger is not flagged before warm-up ends
+    verdicts = [monitor.check(t * (100.0 if i >= 50 else 1.0), "alone", content=i) for i, t in enumerate(honest)]
+    assert not any(v.flagged for v in verdicts)

@@ -50,6 +50,7 @@ class MonitorSettings:
     floors: dict[str, float]
     row_clip: float
     warmup: int
+    warmup_blatant_after: int
     strike_limit: int
     forgive_after: int
     blatant_severity: float
@@ -261,7 +262,7 @@ class BoundaryMonitor:
         severity = max(self.thresholds[name].severity(scores[name]) for name in METRICS)
         alarm = self.peers.observe(sender, scores)
         evidence = dict(scores=scores, limits=limits, severity=severity)
-        over = () if self.warming_up else tuple(name for name in METRICS if scores[name] > limits[name])
+        over = self._over(scores, limits, judged_by_peers=median is not None)
         blatant = severity >= self.settings.blatant_severity
         shared = self.shift.observe(sender, over, blatant=blatant or copied is not None)
         if copied is not None:
@@ -283,6 +284,22 @@ class BoundaryMonitor:
         verdict = self._accepted(tensor, sender, scores, limits, severity, warming_up)
         verdict.over, verdict.shared = over, bool(over)
         return verdict
+
+    def _over(self, scores: dict[str, float], limits: dict[str, float], judged_by_peers: bool) -> tuple[str, ...]:
+        """The metrics whose fence the scores cross. In warm-up none, except blatant crossings once the fences have
+        `warmup_blatant_after` scores and a majority of senders is the reference: an attack that starts in warm-up
+        would otherwise be learned by the baseline and the fences before any could flag it (the sweep's
+        `start_blatant`). A lone sender's EMA is still forming in warm-up, so its tensors wait for the whole of it."""
+        if not self.warming_up:
+            return tuple(name for name in METRICS if scores[name] > limits[name])
+        after, cut = self.settings.warmup_blatant_after, self.settings.blatant_severity
+        if not judged_by_peers or not after:
+            return ()
+        return tuple(
+            name
+            for name in METRICS
+            if len(self.thresholds[name].scores) >= after and self.thresholds[name].severity(scores[name]) >= cut
+        )
 
     def _replayed(self, tensor: torch.Tensor, sender: str, content: int | None) -> ReplayMatch | None:
         if not self.replays.enabled:
