@@ -161,8 +161,8 @@ class VerificationConfig(_Strict):
     warmup_blatant_after: int = Field(
         32,
         ge=0,
-        description="accepted tensors after which a blatant crossing is flagged even in warm-up, where a majority "
-        "of senders is the reference (0: never)",
+        description="scores a metric's fence must hold (at most `window`) before a blatant crossing of it is "
+        "flagged in warm-up, where a majority of senders is the reference (0: never)",
     )
     strike_limit: int = Field(3, ge=1, description="S: strikes at which a sender is banned")
     forgive_after: int = Field(100, ge=1, description="F: clean checks that forgive one strike")

@@ -259,10 +259,11 @@ class BoundaryMonitor:
 
         scores = {name: metric(profile, reference) for name, metric in METRICS.items()}
         limits = {name: self.thresholds[name].threshold() for name in METRICS}
-        severity = max(self.thresholds[name].severity(scores[name]) for name in METRICS)
+        severities = {name: self.thresholds[name].severity(scores[name]) for name in METRICS}
+        severity = max(severities.values())
         alarm = self.peers.observe(sender, scores)
         evidence = dict(scores=scores, limits=limits, severity=severity)
-        over = self._over(scores, limits, judged_by_peers=median is not None)
+        over = self._over(scores, limits, severities, judged_by_peers=median is not None)
         blatant = severity >= self.settings.blatant_severity
         shared = self.shift.observe(sender, over, blatant=blatant or copied is not None)
         if copied is not None:
@@ -285,7 +286,9 @@ class BoundaryMonitor:
         verdict.over, verdict.shared = over, bool(over)
         return verdict
 
-    def _over(self, scores: dict[str, float], limits: dict[str, float], judged_by_peers: bool) -> tuple[str, ...]:
+    def _over(
+        self, scores: dict[str, float], limits: dict[str, float], severities: dict[str, float], judged_by_peers: bool
+    ) -> tuple[str, ...]:
         """The metrics whose fence the scores cross. In warm-up none, except blatant crossings once the fences have
         `warmup_blatant_after` scores and a majority of senders is the reference: an attack that starts in warm-up
         would otherwise be learned by the baseline and the fences before any could flag it (the sweep's
@@ -296,9 +299,7 @@ class BoundaryMonitor:
         if not judged_by_peers or not after:
             return ()
         return tuple(
-            name
-            for name in METRICS
-            if len(self.thresholds[name].scores) >= after and self.thresholds[name].severity(scores[name]) >= cut
+            name for name in METRICS if len(self.thresholds[name].scores) >= after and severities[name] >= cut
         )
 
     def _replayed(self, tensor: torch.Tensor, sender: str, content: int | None) -> ReplayMatch | None:
