@@ -327,6 +327,43 @@ def test_a_lone_senders_honest_shift_is_followed_and_not_banned_and_a_lasting_at
     assert attacked.ledger.is_banned("a")
 
 
+def _paired_monitor(streams: HonestStreams) -> BoundaryMonitor:
+    """A monitor warmed on two senders taking turns: a stage of two replicas, so the EMA is the reference."""
+    monitor = BoundaryMonitor(settings(), HIDDEN, expected_shape=SHAPE)
+    for i, tensor in enumerate(streams.activations[:WARMUP]):
+        assert not monitor.check(tensor, "ab"[i % 2], content=i).flagged
+    assert monitor.reference() is monitor.baseline.reference
+    return monitor
+
+
+@pytest.mark.parametrize("both_shift", [False, True], ids=["attacker beside an honest replica", "both shift"])
+def test_beside_an_honest_replica_a_moderate_crossing_walks_no_ema(streams, both_shift):
+    """Of a pair, the sender that crosses while the other stays inside moved alone: its flags leave the EMA where it
+    is, so an attacker whose tensors are all moderately off stays flagged and is banned (one strike a step), while
+    its honest peer is never struck. The control: both replicas shift at once, as when their parameters move, and
+    the EMA follows as for a lone sender, banning neither."""
+    per_step, monitor = 4, _paired_monitor(streams)
+    verdicts: dict[str, list] = {"a": [], "b": []}
+    start, walked = float(monitor.baseline.reference.log_rms), 0.0
+    for i, tensor in enumerate(streams.activations[WARMUP:]):
+        sender = "ab"[i % 2]
+        shifted = attacks.scale(tensor, 0, {}, sigma=1.6) if both_shift or sender == "b" else tensor
+        verdicts[sender].append(monitor.check(shifted, sender, content=WARMUP + i, step=i // per_step))
+        if not monitor.ledger.is_banned("b"):
+            walked = max(walked, abs(float(monitor.baseline.reference.log_rms) - start))
+    moderate = [v for v in verdicts["b"] if v.flagged and not v.blatant]
+    if both_shift:
+        assert not monitor.ledger.is_banned("a") and not monitor.ledger.is_banned("b")
+        assert sum(v.flagged for v in verdicts["a"] + verdicts["b"]) <= 2 * per_step
+        return
+    assert monitor.ledger.is_banned("b"), [v.reason for v in verdicts["b"][:12]]
+    assert moderate and all(v.flagged for v in verdicts["b"][: len(moderate)]), "every tensor until the ban flagged"
+    assert monitor.ledger.peek("a").strikes == 0 and not any(v.flagged for v in verdicts["a"])
+    banned_at = next(i for i, v in enumerate(verdicts["b"]) if v.banned)
+    assert banned_at <= 3 * per_step  # three steps of the pair's two tensors a step, with room
+    assert walked < 0.1 * math.log(1.6), f"the EMA's magnitude moved {walked:.3f} toward the attacker's"
+
+
 MALFORMED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "nan": lambda x: x.index_put((torch.tensor([0]), torch.tensor([3]), torch.tensor([5])), torch.tensor(math.nan)),
     "inf": lambda x: x.index_put((torch.tensor([2]), torch.tensor([0]), torch.tensor([1])), torch.tensor(math.inf)),

@@ -269,12 +269,14 @@ class BoundaryMonitor:
         if copied is not None:
             return self._flag(tensor, sender, VerdictKind.REPLAY, blatant=True, replay=copied, **evidence)
         if over and (blatant or not shared):
-            alone = median is None and not blatant
-            if alone:
-                # no majority to lean on (fewer than three senders): the EMA is the reference, and one that only
-                # learns from accepted tensors never follows an honest shift of a lone sender, which would then be
-                # flagged on every tensor. A moderate crossing moves it, as flagged tensors enter the median's pool;
-                # a lone sender walking it this way pays a strike a step (one it could walk below the fences free)
+            alone = median is None and not blatant  # no majority to lean on (fewer than three senders)
+            if alone and not self.shift.peer_inside(sender, over):
+                # the EMA is the reference, and one that only learns from accepted tensors never follows an honest
+                # shift of a lone sender, which would then be flagged on every tensor. A moderate crossing moves
+                # it, as flagged tensors enter the median's pool; a lone sender walking it this way pays a strike a
+                # step (one it could walk below the fences free). Not where the other sender of a pair stayed
+                # inside these fences: the crossing is then this sender's own, and an attacker beside one honest
+                # replica would walk the EMA to itself within a step (docs/decisions.md)
                 self.baseline.update(profile)
             step = step if alone else None  # with peers, a shift of one sender's own is evidence on every tensor
             return self._flag(tensor, sender, VerdictKind.METRIC, over=over, blatant=blatant, step=step, **evidence)

@@ -59,6 +59,17 @@ class SharedShift:
         sharing = sum(others.values())
         return sharing >= 1 and sharing >= self.share * len(others)
 
+    def peer_inside(self, sender: str, over: tuple[str, ...]) -> bool:
+        """Whether some other sender heard from in the window crossed none of the fences in `over` there: the
+        crossing is then this sender's own, whoever else is at the boundary (of two senders, the one that moved
+        is the one that crossed while the other stayed inside)."""
+        crossed = frozenset(over)
+        others: dict[str, bool] = {}
+        for who, theirs in self.recent:
+            if who != sender:
+                others[who] = others.get(who, False) or bool(theirs & crossed)
+        return not all(others.values())
+
     def forget(self, sender: str) -> None:
         """Leaves a banned sender's crossings out: a sender that was cheating must not excuse the next one."""
         kept = [entry for entry in self.recent if entry[0] != sender]
