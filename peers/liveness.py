@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 
@@ -35,6 +35,7 @@ class LivenessBlacklist:
         self.params, self._clock = params, clock
         self._until: dict[str, float] = {}
         self._failures: dict[str, int] = {}
+        self._gone: set[str] = set()  # peers with failures that a view since then did not show
         self._lock = threading.Lock()
 
     def register_failure(self, peer: str) -> float:
@@ -49,11 +50,28 @@ class LivenessBlacklist:
             self._failures[peer] = failures + 1
             return duration
 
+    def seen(self, present: Collection[str]) -> None:
+        """The peers a fresh view of the swarm shows. A peer with failures on record that was missing from a view
+        (its announcement expired: it was cut off, or restarted) and is back in this one starts afresh: those
+        failures were of its absence, and a backoff grown through a partition (1, 2, 4, 8 s...) would keep it off
+        routes for as long again after it returned."""
+        with self._lock:
+            for peer in list(self._failures):
+                if peer in present:
+                    if peer in self._gone:
+                        self._until.pop(peer, None)
+                        self._failures.pop(peer, None)
+                        self._gone.discard(peer)
+                else:
+                    self._gone.add(peer)
+            self._gone &= set(self._failures)
+
     def register_success(self, peer: str) -> None:
         """``peer`` answered: lift its suspension and forget its failures."""
         with self._lock:
             self._until.pop(peer, None)
             self._failures.pop(peer, None)
+            self._gone.discard(peer)
 
     def __contains__(self, peer: object) -> bool:
         with self._lock:

@@ -121,6 +121,7 @@ AUDIT_FIELDS = frozenset(
     {
         "audit_rate",
         "probation_audit_rate",
+        "suspect_audit_rate",
         "audit_tolerance",
         "audit_drift_factor",
         "audit_exact",
@@ -199,6 +200,12 @@ class VerificationConfig(_Strict):
     )
     probation_audit_rate: float = Field(
         0.25, ge=0, le=1, description="the audit rate of a stage replica on probation (a new identity)"
+    )
+    suspect_audit_rate: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="the audit rate of a stage replica holding a strike or a blatant mark not yet forgiven",
     )
     audit_tolerance: float = Field(
         0.5, gt=0, description="relative error a claim may always show (of a middle stage's contribution)"

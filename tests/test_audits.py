@@ -256,6 +256,23 @@ def test_a_replica_on_probation_is_drawn_at_the_probation_rate():
     assert 0.08 < sum(no_probation(probation=True) for _ in range(4000)) / 4000 < 0.12
 
 
+def test_a_suspect_holding_a_strike_is_drawn_at_the_suspect_rate_until_forgiven():
+    strikes = SenderStrikes(3, forgive_after=5)
+    strikes.record("flagged", True)
+    strikes.record("honest", False)
+    assert strikes.suspect("flagged") and not strikes.suspect("honest") and not strikes.suspect("unheard")
+    draw = AuditDraw(0.02, seed=3, suspect_rate=0.25)
+    suspect = sum(draw(suspect=strikes.suspect("flagged")) for _ in range(4000)) / 4000
+    other = sum(draw(suspect=strikes.suspect("honest")) for _ in range(4000)) / 4000
+    assert 0.22 < suspect < 0.28 and other < 0.04
+    for _ in range(5):
+        strikes.record("flagged", False)
+    assert not strikes.suspect("flagged"), "a forgiven strike is no suspicion"
+    for _ in range(3):
+        strikes.record("banned", True)
+    assert strikes.is_banned("banned") and not strikes.suspect("banned")  # its work is not routed any more
+
+
 def test_the_judge_convicts_only_with_two_agreeing_auditors_and_strikes_the_contradicted(config):
     worker = StageWorker(config.model, config.pipeline, 1, seed=0)
     below, above = crossing("m", 0, "s0", "cheat", 30), crossing("m", 1, "cheat", "s2", 40)

@@ -125,13 +125,15 @@ def test_simulate_with_an_attack_file_runs_the_red_teams_function(tmp_path):
 def test_bench_detection_reports_one_attack_as_json_and_plots(tmp_path):
     out = tmp_path / "bench"
     result = CliRunner().invoke(
-        main, ["bench", "detection", "--quick", "--attack", "constant", "--json", "--out", str(out)]
+        main,
+        ["bench", "detection", "--quick", "--attack", "constant", "--target", "activation", "--json"]
+        + ["--out", str(out)],
     )
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["profile"] == "quick"
     rows = {(row["name"], row["target"]): row for row in report["attacks"]}
-    assert set(rows) == {("constant", "activation"), ("constant", "gradient")}
+    assert set(rows) == {("constant", "activation")}  # the gradient run is the same code on the other direction
     for row in rows.values():
         assert row["recall"] == 1.0  # every attacker banned
         assert set(row["val_loss"]) == {"clean", "undefended", "defended"}

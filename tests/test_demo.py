@@ -109,7 +109,8 @@ def test_local_swarm_stops_every_process_it_started(tmp_path: Path):
 
 # the demo command with its swarm cut down to one real bootstrap, and training replaced by waiting to be stopped
 ONE_NODE_DEMO = """
-import sys, time
+import faulthandler, signal, sys, time
+faulthandler.register(signal.SIGUSR1)  # a demo that does not stop says where it is
 from sentinel_node import demo
 from sentinel_node.cli import main
 from sentinel_node.supervisor import LocalSwarm
@@ -146,7 +147,15 @@ def test_a_stopped_demo_stops_its_nodes_without_a_traceback(tmp_path: Path, sign
         assert line.startswith("pid "), line + process.stderr.read()
         node_pid = int(line.split()[1])
         process.send_signal(signum)
-        _, stderr = process.communicate(timeout=60)
+        try:
+            _, stderr = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGUSR1)  # its threads' stacks, to stderr
+            time.sleep(2)
+            os.killpg(process.pid, signal.SIGKILL)
+            _, stderr = process.communicate()
+            why = f"the demo did not stop within 60 s of {signum.name}; its threads' stacks:\n{stderr}"
+            raise AssertionError(why) from None
         assert process.returncode == 130, stderr
         assert "Traceback" not in stderr, stderr
         assert "every process it started has been stopped" in stderr

@@ -217,6 +217,25 @@ def test_liveness_blacklist_backs_off_exponentially_and_forgets_on_success():
         BackoffParams(backoff_rate=0.5)
 
 
+def test_a_suspended_peer_that_left_the_view_and_came_back_starts_afresh():
+    """A partition: the peer fails to answer again and again (its suspension grows), its announcement expires, then
+    it is back. Still in every view (a peer that only stalls), its suspension stands."""
+    now = [0.0]
+    blacklist = LivenessBlacklist(BackoffParams(base_time=1.0, backoff_rate=2.0, max_time=60.0), clock=lambda: now[0])
+    for _ in range(5):
+        blacklist.register_failure("cut")
+        blacklist.register_failure("stalled")
+        now[0] += 17.0
+    blacklist.register_failure("cut")
+    blacklist.register_failure("stalled")
+    assert "cut" in blacklist and "stalled" in blacklist
+    blacklist.seen({"stalled", "other"})  # the cut peer's announcement expired
+    assert "cut" in blacklist  # still suspended while it is away
+    blacklist.seen({"stalled", "other", "cut"})  # back, announced again
+    assert "cut" not in blacklist and "stalled" in blacklist
+    assert blacklist.register_failure("cut") == 1.0, "its backoff starts again from the first suspension"
+
+
 # --- routing ---
 
 

@@ -126,14 +126,18 @@ class AuditDraw:
     """Which settled microbatches to audit: a share ``rate`` of them, drawn by the verifier after the stage has
     answered, from randomness of its own (the operating system's, unless a seed is given for a simulation). A
     replica on probation (a new identity, :mod:`sentinel_node.verification.strikes`) is drawn at
-    ``probation_rate`` instead, when that is higher."""
+    ``probation_rate`` instead, and a suspect (one holding a strike not yet forgiven) at ``suspect_rate``, when
+    those are higher: a sender that was flagged once may be cheating in ways only a recomputation shows (a free-rider
+    that hands on a tensor computed for other tokens looks honest to every statistic)."""
 
-    def __init__(self, rate: float, seed: int | None = None, probation_rate: float = 0.0) -> None:
-        self.rate, self.probation_rate = rate, probation_rate
+    def __init__(
+        self, rate: float, seed: int | None = None, probation_rate: float = 0.0, suspect_rate: float = 0.0
+    ) -> None:
+        self.rate, self.probation_rate, self.suspect_rate = rate, probation_rate, suspect_rate
         self._random = random.Random(secrets.randbits(128) if seed is None else seed)
 
-    def __call__(self, probation: bool = False) -> bool:
-        rate = max(self.rate, self.probation_rate) if probation else self.rate
+    def __call__(self, probation: bool = False, suspect: bool = False) -> bool:
+        rate = max(self.rate, self.probation_rate if probation else 0.0, self.suspect_rate if suspect else 0.0)
         return rate > 0 and self._random.random() < rate
 
     def shuffle(self, items: list) -> list:

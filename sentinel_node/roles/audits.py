@@ -155,7 +155,9 @@ class VerifierAudits:
         self.config = config
         self.n_stages = node.config.pipeline.n_stages
         self.cache = RelayCache(int(config.audit_cache_mib * 2**20))
-        self.draw = AuditDraw(config.audit_rate, probation_rate=config.probation_audit_rate)
+        self.draw = AuditDraw(
+            config.audit_rate, probation_rate=config.probation_audit_rate, suspect_rate=config.suspect_audit_rate
+        )
         self.ledger = AuditLedger(config.audit_refusal_limit)
         self.judge = AuditJudge(
             config.audit_tolerances(), node.checker.ledger, self.ledger, self.cache.completed_between
@@ -208,6 +210,13 @@ class VerifierAudits:
             )
         )
 
+    def _suspect(self, peer: str) -> bool:
+        """Whether ``peer`` holds a strike here or in a record another verifier published: a replica flagged at
+        the next boundary (its activations) is audited at this one (whose gradients it sends) all the same."""
+        if self.node.checker.ledger.suspect(peer):
+            return True
+        return any(record.strikes > 0 for record in self.node.views.view.ledger.about(peer))
+
     def answered(self, meta: PipelineRequest, boundary: int, receiver: str, gradient: torch.Tensor) -> None:
         """``receiver`` (a stage ``boundary + 1`` replica) answered with ``gradient``, passed back as is: it ran its
         backward pass."""
@@ -231,7 +240,8 @@ class VerifierAudits:
         ledger = self.node.checker.ledger
         for stage in stages:
             audited = crossing.receiver if stage == boundary + 1 else crossing.sender
-            if not self.draw(probation=audited is not None and ledger.on_probation(audited)):
+            probation = audited is not None and ledger.on_probation(audited)
+            if not self.draw(probation=probation, suspect=audited is not None and self._suspect(audited)):
                 continue
             self.stats["drawn"] += 1
             if len(self.tasks) >= self.config.audit_queue:

@@ -35,6 +35,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time, get_logger
 
 from dht import Announcement, Announcer, DHTUnavailable, Identity, RecordStore
+from peers import LivenessBlacklist
 from sentinel_node.config import Config
 from sentinel_node.processes import alive
 from sentinel_node.roles.common import (
@@ -210,6 +211,9 @@ class Node:
         self.context, self.config, self.status_file = context, context.config, status_file
         self.transport = transport_settings(self.config)
         self.views = ViewKeeper(context.store, self.config)
+        # peers that just failed to answer, skipped for a while; one that left the view and came back starts afresh
+        self.blacklist = LivenessBlacklist()
+        self.views.listeners.append(lambda view: self.blacklist.seen({a.peer_id for a in view.announcements()}))
         self.p2p: P2P | None = None
         self.server: TensorServer | None = None
         self.reachability: Reachability | None = None

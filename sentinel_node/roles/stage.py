@@ -53,7 +53,7 @@ from hivemind.utils import get_dht_time, get_logger
 from hivemind.utils.performance_ema import PerformanceEMA
 
 from dht import DHTUnavailable, StageAnnouncement
-from peers import LivenessBlacklist, SwarmView, SwarmWatcher
+from peers import SwarmView, SwarmWatcher
 from peers.placement import Move, StageChoice, choose_stage, plan_rebalance, should_yield, stage_loads
 from sentinel_node.attacks import (
     Attacker,
@@ -319,7 +319,6 @@ class StageNode(Node):
         self.shapes = Shapes.of(self.config)
         self.lane = ComputeLane(f"stage{self.stage}")
         self.gate = Gatekeeper(self.views)
-        self.blacklist = LivenessBlacklist()
         self.state = state
         self.last_step = state.step  # the last global step applied (or being applied)
         self.stats = {

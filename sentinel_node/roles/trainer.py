@@ -39,7 +39,7 @@ import torch
 from hivemind.utils import get_logger
 
 from dht import TrainerAnnouncement
-from peers import LivenessBlacklist, NoRouteError, PairBlacklist, Route, SwarmView, choose_route, expand
+from peers import NoRouteError, PairBlacklist, Route, SwarmView, choose_route, expand
 from peers.agreement import Quiet, VerifierAgreement
 from sentinel_node.data import DataError, TrainingData, load_training_data
 from sentinel_node.roles.admission import admitted_certificate
@@ -220,7 +220,6 @@ class TrainerNode(Node):
         pipe = self.config.pipeline
         self.shapes = Shapes.of(self.config)
         self.certificate = admitted_certificate(self.config, self.peer_id, "trainer", context.options.certificate_path)
-        self.blacklist = LivenessBlacklist()
         # (verifier, replica) pairs that refused each other: a ban short of the quorum refuses every route through
         # the pair, so it is kept off routes for a while (backing off) while others exist
         self.apart = PairBlacklist()

@@ -35,7 +35,6 @@ from hivemind.utils import get_dht_time, get_logger
 from hivemind.utils.performance_ema import PerformanceEMA
 
 from dht import RecordError, RecordStore, RoleCertificate, StrikeRecord, VerifierAnnouncement
-from peers import LivenessBlacklist
 from sentinel_node.pipeline import BoundaryVerifier
 from sentinel_node.pipeline.device import DeviceError, resolve_device
 from sentinel_node.roles.admission import admitted_certificate
@@ -232,7 +231,6 @@ class VerifierNode(Node):
         self.shapes = Shapes.of(self.config)
         self.lane = ComputeLane("verifier")
         self.gate = Gatekeeper(self.views)
-        self.blacklist = LivenessBlacklist()
         self.stats = CheckStats()
         self.certificate = admitted_certificate(
             self.config, self.peer_id, "verifier", context.options.certificate_path, self.boundaries

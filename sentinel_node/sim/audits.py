@@ -100,7 +100,9 @@ class MeshAudits:
             judge = AuditJudge(
                 self.tolerance, verifier.ledger, AuditLedger(config.audit_refusal_limit), cache.completed_between
             )
-            draw = AuditDraw(config.audit_rate, seed + 7919 * boundary, config.probation_audit_rate)
+            draw = AuditDraw(
+                config.audit_rate, seed + 7919 * boundary, config.probation_audit_rate, config.suspect_audit_rate
+            )
             self.stations.append(Station(boundary, cache, draw, judge))
         self.stats = AuditStats()
 
@@ -135,8 +137,13 @@ class MeshAudits:
             return
         for stage in range(len(route)):
             station = self.stations[max(0, stage - 1)]
-            if station.draw(probation=station.judge.strikes.on_probation(route[stage].id)):
+            strikes, audited = station.judge.strikes, route[stage].id
+            if station.draw(probation=strikes.on_probation(audited), suspect=self._suspect(audited)):
                 self.audit(station, stage, name)
+
+    def _suspect(self, worker: str) -> bool:
+        """Whether any verifier holds a strike against ``worker`` (as a node reads the others' strike records)."""
+        return any(verifier.ledger.suspect(worker) for verifiers in self.mesh.verifiers for verifier in verifiers)
 
     # --- one audit
 

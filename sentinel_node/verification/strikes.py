@@ -89,6 +89,12 @@ class SenderStrikes:
         rec = self._banned.peek(sender) or self._standing.peek(sender)
         return rec is None or self._probation(rec)
 
+    def suspect(self, sender: str) -> bool:
+        """Whether `sender` holds a strike or a blatant mark not yet forgiven (and is not banned): its work is then
+        worth recomputing more often (:class:`sentinel_node.pipeline.relay_cache.AuditDraw`)."""
+        rec = self._standing.peek(sender)
+        return rec is not None and (rec.strikes > 0 or rec.blatant > 0)
+
     def _probation(self, rec: SenderRecord) -> bool:
         return self.probation > 0 and not rec.founder and rec.clean < self.probation
 
