@@ -202,7 +202,7 @@ class VerificationConfig(_Strict):
         0.25, ge=0, le=1, description="the audit rate of a stage replica on probation (a new identity)"
     )
     suspect_audit_rate: float = Field(
-        0.25,
+        1.0,
         ge=0,
         le=1,
         description="the audit rate of a stage replica holding a strike or a blatant mark not yet forgiven",
