@@ -213,13 +213,17 @@ def test_a_verifier_that_stops_checking_is_noticed_by_the_trainers_agreement_tes
     by the others, and never an honest verifier, in this run or in the same attack with both verifiers checking."""
     sim = {"verifiers_per_boundary": 2, "silent_verifiers": 1, "rejoin": True}
     # each verifier sees half a boundary's tensors: a shorter warm-up ends it before the attack, as WARMUP does alone
-    config = small_config(sim=sim, verification={"warmup": WARMUP // 2})
+    # suspect audits off: they ban the attacker before the silent verifier's quietness shows (with them on, v2.0
+    # went unnoticed: the attack it let through was stopped by audits instead, which is the point of them)
+    config = small_config(sim=sim, verification={"warmup": WARMUP // 2, "suspect_audit_rate": 0.0})
     result = Mesh(config, corpus, plan("random", "activation")).run()
     assert result.silent == [f"v{k}.0" for k in range(config.pipeline.n_stages - 1)]
     attacked = {f"v{k}.0" for k in range(config.pipeline.n_stages - 1) if k > 0 or config.sim.attack_first_stage}
     assert attacked and attacked <= set(result.quiet_at), result.quiet_at
     assert set(result.quiet_at) <= set(result.silent)
     assert all(step >= ATTACK_START for step, _ in result.quiet_at.values())
-    both = small_config(sim={"verifiers_per_boundary": 2}, verification={"warmup": WARMUP // 2})
+    both = small_config(
+        sim={"verifiers_per_boundary": 2}, verification={"warmup": WARMUP // 2, "suspect_audit_rate": 0.0}
+    )
     both_check = Mesh(both, corpus, plan("random", "activation")).run()
     assert not both_check.quiet_at and not both_check.silent
