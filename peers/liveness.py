@@ -64,7 +64,6 @@ class LivenessBlacklist:
                         self._gone.discard(peer)
                 else:
                     self._gone.add(peer)
-            self._gone &= set(self._failures)
 
     def register_success(self, peer: str) -> None:
         """``peer`` answered: lift its suspension and forget its failures."""

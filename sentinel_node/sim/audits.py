@@ -143,7 +143,7 @@ class MeshAudits:
 
     def _suspect(self, worker: str) -> bool:
         """Whether any verifier holds a strike against ``worker`` (as a node reads the others' strike records)."""
-        return any(verifier.ledger.suspect(worker) for verifiers in self.mesh.verifiers for verifier in verifiers)
+        return any(ledger.suspect(worker) for ledger in self.mesh._ledgers())
 
     # --- one audit
 
