@@ -115,6 +115,27 @@ def test_the_allowance_is_the_drift_the_auditor_measured_on_its_own_parameters()
     assert skipped.finding is Finding.SKIPPED  # its layers added nothing, whatever the allowance
 
 
+def test_an_input_the_layers_pass_through_unchanged_proves_neither_skipping_nor_freezing():
+    """An attacker upstream sent zeros, which its verifier (warming up) let through: the honest replica after it
+    returned zeros, as every bias-free block does, and was convicted of skipping its layers (bench detection,
+    constant attack, 30 steps: s2r3 banned)."""
+    zeros, g, g_out = torch.zeros(2, 4, 8), tensor(6), tensor(7)
+    reference = Work(output=zeros, grad_input=g)
+    passthrough = Work(output=zeros, grad_input=g_out)
+    assert compare(reference, reference, TOLERANCE, False, passthrough=passthrough).finding is Finding.SAME
+    # a replica that stepped: zeros forward, its own gradient back
+    honest = compare(Work(output=zeros, grad_input=1.05 * g), reference, TOLERANCE, True, passthrough=passthrough)
+    assert honest.finding is Finding.DRIFTED, honest
+    # on the activation alone (no gradient audited): the same, and an output that is not zeros is still a mismatch
+    alone = Work(output=zeros)
+    assert compare(alone, alone, TOLERANCE, True, passthrough=Work(output=zeros)).finding is Finding.SAME
+    added = compare(Work(output=tensor(8)), alone, TOLERANCE, False, passthrough=Work(output=zeros))
+    assert added.finding is Finding.MISMATCH
+    # where the gradient does move, a replica that must have stepped and returns the reference gradient is frozen
+    frozen = compare(reference, reference, TOLERANCE, True, passthrough=Work(output=zeros, grad_input=g_out))
+    assert frozen.finding is Finding.FROZEN and frozen.direction == "gradient"
+
+
 # --- the judgement --------------------------------------------------------------------------------------------------
 
 

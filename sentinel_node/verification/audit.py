@@ -30,6 +30,8 @@ until it applies its first optimizer step after the round; from then on each rep
   nothing: a stage that skipped its work. A claim equal to the reference computation although the verifiers saw
   the replica complete a training microbatch since the round (so it must have stepped, and its parameters must
   have moved) proves that it did not apply its optimizer step: a frozen replica. Honest drift can hide neither.
+  Both hold only where the reference computation adds something: given zeros, a bias-free block returns zeros with
+  any parameters, so on an input the reference passes through unchanged neither test is made.
 
 Judgement (:func:`decide`). One auditor can lie, so a failed comparison convicts only when a second, independent
 auditor's recomputation agrees with the first's and also fails the claim (when the first two disagree, a third
@@ -203,10 +205,21 @@ def compare(
     directions = recomputed.directions() or claimed.directions()
     errors = errors_against(claimed, recomputed, passthrough, residual)
     allowances = {d: tolerance.allowance(d, drift, steps) for d in directions}
-    skipped = [
+    # Where the reference computation itself passes the tensor through (an all-zero input: every layer of a
+    # bias-free block maps zeros to zeros, whatever its parameters), neither exact test proves anything: an honest
+    # replica returns its input there, and returns the reference result however far it stepped. An attacker
+    # upstream sending zeros framed the honest replica after it as one that skipped its layers.
+    inert = {
         d
         for d in directions
         if passthrough.tensor(d) is not None
+        and relative_error(recomputed.tensor(d), passthrough.tensor(d)) <= tolerance.exact
+    }
+    skipped = [
+        d
+        for d in directions
+        if d not in inert
+        and passthrough.tensor(d) is not None
         and contribution_error(claimed.tensor(d), passthrough.tensor(d), recomputed.tensor(d)) <= tolerance.exact
     ]
     worst = max(directions, key=lambda d: errors[d] / allowances[d])
@@ -215,8 +228,9 @@ def compare(
     elif any(errors[d] > allowances[d] for d in directions):
         finding = Finding.MISMATCH
     elif all(errors[d] <= tolerance.exact for d in directions):
-        finding = Finding.FROZEN if must_have_stepped else Finding.SAME
-        worst = max(directions, key=lambda d: errors[d])
+        moving = [d for d in directions if d not in inert]  # where stepping must have changed the result
+        finding = Finding.FROZEN if must_have_stepped and moving else Finding.SAME
+        worst = max(moving or directions, key=lambda d: errors[d])
     else:
         finding = Finding.DRIFTED
     return Comparison(errors, finding, worst, allowances)
