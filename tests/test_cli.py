@@ -126,12 +126,12 @@ def test_bench_detection_reports_one_attack_as_json_and_plots(tmp_path):
     out = tmp_path / "bench"
     result = CliRunner().invoke(
         main,
-        ["bench", "detection", "--quick", "--attack", "constant", "--target", "activation", "--json"]
-        + ["--out", str(out)],
+        ["bench", "detection", "--quick", "--attack", "constant", "--target", "activation", "--steps", "30"]
+        + ["--json", "--out", str(out)],
     )
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
-    assert report["profile"] == "quick"
+    assert report["profile"] == "quick" and report["mesh"]["steps"] == 30 and report["mesh"]["attack_start"] == 15
     rows = {(row["name"], row["target"]): row for row in report["attacks"]}
     assert set(rows) == {("constant", "activation")}  # the gradient run is the same code on the other direction
     for row in rows.values():

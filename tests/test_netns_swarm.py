@@ -90,8 +90,13 @@ def swarm(tmp_path_factory) -> Iterator[Demo]:
 
 
 class Chaos:
-    """Cuts stage0-1 off at CUT_STAGE_AT and heals it PARTITION_S later; once it served AFTER_HEAL more steps'
-    worth, does the same to verifier1. Remembers what the nodes said at each moment."""
+    """Cuts stage0-1 off at CUT_STAGE_AT and heals it PARTITION_S later, once the other replica's status shows it
+    served since the cut; AFTER_HEAL steps later, does the same to verifier1 (healed once verifier0 relayed since).
+    Remembers what the nodes said at each moment.
+
+    Waiting on what the other replica did, not only on the clock: a step whose microbatches were all routed to the
+    cut replica waits out their deadline (20 s, longer than the partition), and the retries the other replica then
+    served reached its status file (written every announce period) after the heal was due."""
 
     def __init__(self, demo: Demo) -> None:
         self.demo = demo
@@ -109,7 +114,7 @@ class Chaos:
             self.snapshot("stage cut", step)
             network.cut("stage0-1")
             self.phase, self.cut_at = "stage cut", time.monotonic()
-        elif self.phase == "stage cut" and time.monotonic() - self.cut_at >= PARTITION_S:
+        elif self.phase == "stage cut" and self._stood_in("stage cut", "stage0-0"):
             self.snapshot("stage healed", step)
             network.heal("stage0-1")
             self.phase = "stage healed"
@@ -117,10 +122,16 @@ class Chaos:
             self.snapshot("verifier cut", step)
             network.cut("verifier1")
             self.phase, self.cut_at = "verifier cut", time.monotonic()
-        elif self.phase == "verifier cut" and time.monotonic() - self.cut_at >= PARTITION_S:
+        elif self.phase == "verifier cut" and self._stood_in("verifier cut", "verifier0"):
             self.snapshot("verifier healed", step)
             network.heal("verifier1")
             self.phase = "verifier healed"
+
+    def _stood_in(self, cut: str, other: str) -> bool:
+        """Whether the partition lasted PARTITION_S and ``other`` served since the cut, as its status says."""
+        if time.monotonic() - self.cut_at < PARTITION_S:
+            return False
+        return served({"status": {other: self.demo.node(other).status()}}, other) > served(self.moments[cut], other)
 
 
 def verdicts_logged(swarm: Demo) -> list[str]:

@@ -8,6 +8,7 @@ import time
 
 import pytest
 from click.testing import CliRunner
+from hivemind.utils import get_dht_time
 
 from dht import DHTUnavailable, StageAnnouncement, StrikeRecord, TrainerAnnouncement, VerifierAnnouncement
 from peers import Exclusion, LivenessBlacklist, SwarmView, order_candidates
@@ -252,6 +253,33 @@ def test_strike_publisher_writes_the_latest_record_per_peer():
     store.gate.set()
     publisher.stop()
     assert [r.strikes for r in store.puts] == [3, 3]  # the first write, then only the newest of those queued
+
+
+class RecordingStore:
+    def __init__(self) -> None:
+        self.puts: list[tuple[StrikeRecord, float]] = []  # each record written and the expiration it claimed
+
+    def put(self, record: StrikeRecord, ttl: float) -> bool:
+        self.puts.append((record, get_dht_time() + ttl))
+        return True
+
+
+def test_strike_publisher_rewrites_its_standing_records_unchanged_until_they_expire():
+    """A write made while part of the DHT was out of reach is missing there for good unless it is written again
+    (roles/verifier.py, StrikePublisher); written again, it must claim no more than it did: same time, same end."""
+    store = RecordingStore()
+    publisher = StrikePublisher(store, ttl=60.0, republish_every=0.2)
+    # a record written 59.5 s ago has half a second left: it is not written again
+    publisher._standing[STAGE1] = strike(STAGE1).replace(time=get_dht_time() - 59.5)
+    publisher.submit(strike(STAGE0))
+    time.sleep(0.9)
+    publisher.stop()
+    writes = [record for record, _ in store.puts if record.accused == STAGE0]
+    assert len(writes) >= 3 and publisher.published == 1 and publisher.republished == len(writes) - 1
+    assert len({record.time for record in writes}) == 1  # every rewrite carries the first write's time
+    ends = [end for record, end in store.puts if record.accused == STAGE0]
+    assert max(ends) - min(ends) < 0.05 and abs(ends[0] - writes[0].time - 60.0) < 0.05  # and so its expiration
+    assert all(record.accused != STAGE1 for record, _ in store.puts) and STAGE1 not in publisher._standing
 
 
 def test_join_stage_needs_a_stage_of_the_config_and_a_valid_attack():

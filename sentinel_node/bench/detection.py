@@ -198,11 +198,15 @@ def run_detection(
     progress: Callable[[str], None] | None = None,
     bar: bool = False,
     targets: list[str] | None = None,
+    steps: int | None = None,
 ) -> dict:
     """Runs the benchmark and returns {"profile", "config_hash", "mesh", "clean", "attacks": [...]}.
 
-    `progress` gets the plan with its estimated time, then a line per finished run; `bar` shows a progress bar."""
+    `progress` gets the plan with its estimated time, then a line per finished run; `bar` shows a progress bar.
+    ``steps`` replaces the profile's run length, the attack starting halfway."""
     config = config.with_overrides(**PROFILES[profile])
+    if steps is not None:
+        config = config.with_overrides(sim={"steps": steps, "attack_start": steps // 2})
     selected = cases(attacks, attack_file, targets)
     corpus = load_corpus(config.data.path, config.data.val_fraction, config.data.max_bytes)
     start = config.sim.attack_start

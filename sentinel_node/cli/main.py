@@ -138,7 +138,12 @@ def bench() -> None:
     "point; honest: one long run without an attacker (false alarms); sybil: attackers re-joining under fresh "
     "identities, with and without probation.",
 )
-@click.option("--steps", type=click.IntRange(min=1), help="honest: global steps (default 1000).")
+@click.option(
+    "--steps",
+    type=click.IntRange(min=2),
+    help="honest: global steps (default 1000); catalogue: global steps, the attack starting halfway (default: the "
+    "profile's).",
+)
 @click.option("--attack", "attacks", multiple=True, type=_attack_choice(), help="Only this attack (repeatable).")
 @click.option("--family", "families", multiple=True, help="sweep: only this family (repeatable).")
 @click.option("--attack-file", help="A red team's own attack, PATH.py:NAME; run on activations and on gradients.")
@@ -168,8 +173,8 @@ def detection(
         raise click.UsageError("--attack, --attack-file and --target choose catalogue runs (--suite catalogue)")
     if suite != "sweep" and families:
         raise click.UsageError("--family chooses sweep families; add --suite sweep")
-    if suite != "honest" and steps:
-        raise click.UsageError("--steps sets the length of the honest run; add --suite honest")
+    if suite not in ("honest", "catalogue") and steps:
+        raise click.UsageError("--steps sets the length of an honest or a catalogue run (--suite honest|catalogue)")
     config = load(config_path)
     profile = "quick" if quick else "full"
     echo = None if as_json else lambda line: click.echo(line, err=True)
@@ -191,6 +196,7 @@ def detection(
                 progress=echo,
                 bar=bar,
                 targets=list(targets) or None,
+                steps=steps,
             )
     except (AttackError, FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e)) from None

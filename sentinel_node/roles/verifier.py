@@ -23,6 +23,7 @@ the gradient or its replacement. So a microbatch crosses a boundary as one call,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import queue
 import threading
@@ -170,15 +171,25 @@ def _certified_boundaries(options: JoinOptions) -> tuple[int, ...]:
 
 class StrikePublisher:
     """Publishes this verifier's latest verdict on each peer from a thread of its own (a DHT write can take
-    seconds); records waiting for the thread are coalesced, only the newest per peer is written."""
+    seconds); records waiting for the thread are coalesced, only the newest per peer is written.
 
-    def __init__(self, store: RecordStore, ttl: float) -> None:
+    Every ``republish_every`` seconds the standing records (the last written per peer, until it expires) are
+    written again, unchanged: same time, same expiration, so a republished record means no more than it did. A
+    write reaches the DHT nodes the writer can reach then; one made while a node was cut off, or blacklisted by
+    the writer's DHT after a partition, is missing there, and readers whose search visits only such nodes never
+    see it (a swarm healed from a partition once held two views of the same verifier's records for good).
+    Rewriting is what Kademlia does for this; a node that has the record stores nothing new."""
+
+    def __init__(self, store: RecordStore, ttl: float, republish_every: float | None = None) -> None:
         self.store, self.ttl = store, ttl
+        self.republish_every = republish_every
         self._latest: dict[str, StrikeRecord] = {}
+        self._standing: dict[str, StrikeRecord] = {}  # written, as written; only the publisher thread touches it
         self._lock = threading.Lock()
         self._wake: queue.Queue[None] = queue.Queue()
         self._stopped = False
         self.published = 0
+        self.republished = 0
         self._thread = threading.Thread(target=self._run, name="strike-publisher", daemon=True)
         self._thread.start()
 
@@ -194,27 +205,45 @@ class StrikePublisher:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        due = None if self.republish_every is None else time.monotonic() + self.republish_every
         while True:
-            self._wake.get()
+            with contextlib.suppress(queue.Empty):  # woken by a record, or the republish is due
+                self._wake.get(timeout=None if due is None else max(0.0, due - time.monotonic()))
             while True:  # until nothing is pending, so a stop never loses the last verdicts
                 with self._lock:
                     pending, self._latest = self._latest, {}
                 if not pending:
                     break
                 for record in pending.values():
-                    self._put(record)
+                    self._put(record.replace(time=get_dht_time()))
             if self._stopped:
                 return
+            if due is not None and time.monotonic() >= due:
+                self._republish()
+                due = time.monotonic() + self.republish_every
 
-    def _put(self, record: StrikeRecord) -> None:
+    def _republish(self) -> None:
+        now = get_dht_time()
+        for accused, record in list(self._standing.items()):
+            if record.time + self.ttl <= now + 1.0:  # about to expire: its lifetime is its writer's statement
+                del self._standing[accused]
+            elif self._put(record, republished=True):
+                self.republished += 1
+
+    def _put(self, record: StrikeRecord, republished: bool = False) -> bool:
         try:
-            # written now: a record's time must fit the lifetime it claims (dht.validation), however long it waited
-            self.store.put(record.replace(time=get_dht_time()), ttl=self.ttl)
-            self.published += 1
+            # a new record is written now: its time must fit the lifetime it claims (dht.validation), however long
+            # it waited; a republished one keeps its time and so the expiration it had
+            self.store.put(record, ttl=record.time + self.ttl - get_dht_time())
+            self._standing[record.accused] = record
+            if not republished:
+                self.published += 1
+            return True
         except RecordError as e:
             logger.error(f"cannot publish a strike record on {record.accused}: {e}")
-        except Exception as e:  # a failing DHT must not end the thread; the next change retries
+        except Exception as e:  # a failing DHT must not end the thread; the next republish retries
             logger.warning(f"publishing a strike record failed ({type(e).__name__}: {e})")
+        return False
 
 
 class VerifierNode(Node):
@@ -235,7 +264,11 @@ class VerifierNode(Node):
         self.certificate = admitted_certificate(
             self.config, self.peer_id, "verifier", context.options.certificate_path, self.boundaries
         )
-        self.publisher = StrikePublisher(context.store, self.config.swarm.strike_ttl)
+        # standing records are written again once an announcement's lifetime: a peer cut off for longer has dropped
+        # out of every view, and comes back to find what it missed within that long again
+        self.publisher = StrikePublisher(
+            context.store, self.config.swarm.strike_ttl, republish_every=self.config.swarm.announce_ttl
+        )
         self._published: dict[str, tuple[int, int, bool]] = {}
         self._strikes_given: dict[str, int] = {}  # each sender's strike count after its last check
         self.capacity = PerformanceEMA(alpha=0.3, paused=True)  # checks per CPU second it sustains
