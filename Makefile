@@ -41,7 +41,7 @@ test: lint
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-suite test-image
 
 test-suite: $(STAMP)
-	$(BIN)/python -m pytest -q -ra -m "not image and not long"
+	$(BIN)/python -m pytest -q -ra --durations=30 -m "not image and not long"
 
 # The longest network proofs (tests marked long: stage placement and moves, recomputation audits through real
 # processes, a 90-step clean swarm of single replicas, a short churn soak, a verifier that stops checking). With the
