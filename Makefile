@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test test-suite test-long test-image image-smoke image-cuda test-quick fuzz lint format bench soak clean
+.PHONY: install demo test test-suite test-network test-side test-isolated test-long test-image image-smoke image-cuda test-quick fuzz lint format bench soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,15 +33,33 @@ format: $(STAMP)
 # The image test (tests/test_image.py: scripts/image_smoke.sh debootstraps a base, builds the cpu image with buildah
 # and runs docker-compose.yml's bootstrap and a verifier in it) took 11.5 minutes in the last CI, mostly downloads,
 # pip and disk; the rest of the suite about 18 on 2 otherwise idle cores (measured at be14efc: 1,543 s with the long
-# tests, of which they took about 450; over the 15-minute budget, see docs/decisions.md). So `make test` runs the two
-# pytest processes side by side: make -j2 starts both, --output-sync prints each one's
-# output whole when it ends, and make fails if either fails. The image half runs at a lower CPU priority (nice) so
-# the suite's timing-sensitive swarm tests keep theirs. test-suite and test-image run each half alone.
+# tests, of which they took about 450; over the 15-minute budget, see docs/decisions.md). So `make test` runs two
+# pytest streams side by side: make -j2 starts both, --output-sync prints each one's output whole when it ends, and
+# make fails if either fails. One is the network half (test-network: swarms, DHT nodes, subprocesses); the other,
+# at a lower CPU priority (nice) so the network tests' timing keeps the cores, runs the image test and then the
+# isolated modules (in-process only: the simulator, verification, the CLI's simulate and bench; tests/conftest.py,
+# ISOLATED), which waited behind the network tests before: 806 s for the suite alone on 2 idle cores (2026-12-03),
+# the image half done at 388 s. test-suite runs the whole suite but the image test in one process.
 test: lint
-	@$(MAKE) --no-print-directory -j2 --output-sync=target test-suite test-image
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-network test-side
 
 test-suite: $(STAMP)
 	$(BIN)/python -m pytest -q -ra --durations=30 -m "not image and not long"
+
+test-network: $(STAMP)
+	$(BIN)/python -m pytest -q -ra --durations=30 -m "not image and not long and not isolated"
+
+# niced, and without pytest's cache, which the other stream writes meanwhile
+IMAGE_TESTS := nice -n 10 $(BIN)/python -m pytest -q -rA -p no:cacheprovider -m image
+ISOLATED_TESTS := nice -n 10 $(BIN)/python -m pytest -q -ra -p no:cacheprovider -m "isolated and not long"
+
+# one after the other (as prerequisites, -j2 could start them side by side with test-network)
+test-side: $(STAMP)
+	$(IMAGE_TESTS)
+	$(ISOLATED_TESTS)
+
+test-isolated: $(STAMP)
+	$(ISOLATED_TESTS)
 
 # The longest network proofs (tests marked long: stage placement and moves, recomputation audits through real
 # processes, a 90-step clean swarm of single replicas, a short churn soak, a verifier that stops checking). With the
@@ -52,7 +70,7 @@ test-long: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m long
 
 test-image: $(STAMP)
-	nice -n 10 $(BIN)/python -m pytest -q -rA -p no:cacheprovider -m image
+	$(IMAGE_TESTS)
 
 # The smoke script alone, without pytest (needs root; installs buildah and debootstrap with apt when missing).
 image-smoke:

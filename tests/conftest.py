@@ -1,4 +1,5 @@
-"""Suite-wide: a SIGTERM (CI cancelling a run, `timeout`, a person's `kill`) stops the suite as Ctrl-C does.
+"""Suite-wide: a SIGTERM (CI cancelling a run, `timeout`, a person's `kill`) stops the suite as Ctrl-C does; the
+modules that run in this process alone are marked ``isolated``.
 
 By default SIGTERM ends the Python process at once, skipping every `with` block and fixture teardown, so the swarms
 the network tests started (each node in its own process group, with its p2pd) would outlive the suite. Raised as
@@ -8,6 +9,7 @@ KeyboardInterrupt, the signal unwinds the running test: its swarms stop, and pyt
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -16,3 +18,33 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def pytest_configure(config) -> None:
     signal.signal(signal.SIGTERM, _interrupt)
+
+
+# Modules whose tests run in the pytest process alone: no node, DHT, socket or subprocess, and no clock they race.
+# `make test` runs them beside the image test, niced, while the network tests keep the cores (Makefile, test);
+# a module added here must stay so (tests/test_suite_layout.py checks what it can).
+ISOLATED = {
+    "test_agreement",
+    "test_attacks",
+    "test_audits",
+    "test_bench_overhead",
+    "test_bench_verifier",
+    "test_cli",
+    "test_device",
+    "test_layers",
+    "test_model",
+    "test_placement",
+    "test_plan",
+    "test_sim",
+    "test_state_transfer",
+    "test_swarm_config",
+    "test_user_messages",
+    "test_verdicts",
+    "test_verification",
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if Path(str(item.fspath)).stem in ISOLATED:
+            item.add_marker("isolated")
