@@ -18,6 +18,7 @@ from peers.routing import (
     pick_replica,
     pick_verifier,
 )
+from peers.step_clock import StepClock
 from peers.view import SwarmView, SwarmWatcher
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "NoRouteError",
     "Route",
     "RouteHop",
+    "StepClock",
     "StrikeLedger",
     "SwarmView",
     "SwarmWatcher",

@@ -37,6 +37,7 @@ from peers import (
     LivenessBlacklist,
     NoRouteError,
     PairBlacklist,
+    StepClock,
     StrikeLedger,
     SwarmView,
     SwarmWatcher,
@@ -268,6 +269,20 @@ def test_routing_weights_by_throughput_and_prefers_direct_peers(ids):
     assert {route.stages[1].peer_id for route in routes} == {ids[2].peer_id}
     assert {route.verifiers[0].peer_id for route in routes} == {ids[5].peer_id}
     assert routes[0].peers == (routes[0].stages[0].peer_id, ids[5].peer_id, ids[2].peer_id)
+
+
+def test_the_step_clock_counts_on_at_the_swarms_pace_while_the_estimate_stands_still():
+    clock = StepClock(alpha=0.5)
+    assert clock.read(-1, 0.0) == -1 and clock.read(-1, 30.0) == -1  # nothing trained yet: no pace, no counting
+    assert clock.read(0, 40.0) == 0 and clock.read(0, 41.0) == 0  # the wait for the first step is no pace
+    assert clock.read(2, 42.0) == 2 and clock.step_s == 1.0  # two steps in two seconds
+    assert clock.read(2, 44.5) == 4  # the view stood still for 2.5 s: two more steps at that pace
+    assert clock.read(3, 44.6) == 4  # a fresh estimate behind what was counted: the clock waits for it
+    assert clock.step_s == pytest.approx((1.0 + 2.6) / 2)
+    assert clock.read(3, 46.5) == 4 and clock.read(3, 48.3) == 5
+    assert clock.read(1, 60.0) == clock.read(1, 60.0) >= 5  # never back, and a view gone behind moves nothing
+    with pytest.raises(ValueError, match="alpha"):
+        StepClock(alpha=0)
 
 
 def test_routing_never_picks_an_excluded_or_blacklisted_peer(ids):

@@ -36,6 +36,7 @@ from hivemind.utils import get_dht_time, get_logger
 from hivemind.utils.performance_ema import PerformanceEMA
 
 from dht import RecordError, RecordStore, RoleCertificate, StrikeRecord, VerifierAnnouncement
+from peers import StepClock
 from sentinel_node.pipeline import BoundaryVerifier
 from sentinel_node.pipeline.device import DeviceError, resolve_device
 from sentinel_node.roles.admission import admitted_certificate
@@ -209,22 +210,29 @@ class StrikePublisher:
         while True:
             with contextlib.suppress(queue.Empty):  # woken by a record, or the republish is due
                 self._wake.get(timeout=None if due is None else max(0.0, due - time.monotonic()))
-            while True:  # until nothing is pending, so a stop never loses the last verdicts
-                with self._lock:
-                    pending, self._latest = self._latest, {}
-                if not pending:
-                    break
-                for record in pending.values():
-                    self._put(record.replace(time=get_dht_time()))
+            self._drain()
             if self._stopped:
                 return
             if due is not None and time.monotonic() >= due:
                 self._republish()
                 due = time.monotonic() + self.republish_every
 
+    def _drain(self) -> None:
+        """Writes the pending verdicts, until none is pending, so a stop never loses the last ones."""
+        while True:
+            with self._lock:
+                pending, self._latest = self._latest, {}
+            if not pending:
+                return
+            for record in pending.values():
+                self._put(record.replace(time=get_dht_time()))
+
     def _republish(self) -> None:
         now = get_dht_time()
         for accused, record in list(self._standing.items()):
+            self._drain()  # a rewrite can take seconds: a verdict that came meanwhile goes first, then supersedes
+            if self._standing.get(accused) is not record:
+                continue  # replaced by a newer verdict just written
             if record.time + self.ttl <= now + 1.0:  # about to expire: its lifetime is its writer's statement
                 del self._standing[accused]
             elif self._put(record, republished=True):
@@ -271,6 +279,7 @@ class VerifierNode(Node):
         )
         self._published: dict[str, tuple[int, int, bool]] = {}
         self._strikes_given: dict[str, int] = {}  # each sender's strike count after its last check
+        self.step_clock = StepClock()  # the global step flags are counted in (peers.step_clock)
         self.capacity = PerformanceEMA(alpha=0.3, paused=True)  # checks per CPU second it sustains
         self._reported = (0, 0.0)  # checks and CPU seconds at the last report
         self._metrics: dict[str, dict[str, float]] = {}  # each sender's metrics at its last published check
@@ -498,8 +507,9 @@ class VerifierNode(Node):
     async def _check(
         self, boundary: int, direction: str, tensor: torch.Tensor | None, sender: str, tainted: bool, content: int
     ) -> Verdict:
-        # the step as the swarm's replicas announce it (a robust median): the sender's metadata could claim any
-        step = self.views.view.step_estimate()
+        # the step as the swarm's replicas announce it (a robust median; the sender's metadata could claim any),
+        # counted on while the view stands still (peers.step_clock)
+        step = self.step_clock.read(self.views.view.step_estimate(), time.monotonic())
         verdict, cpu_s = await self.lane.run(
             self._timed_check, boundary, direction, tensor, sender, tainted, content, step
         )
@@ -514,9 +524,14 @@ class VerifierNode(Node):
             self._strikes_given[sender] = given
         if verdict.flagged:
             logger.info(
-                f"flagged {direction} from {sender} at boundary {boundary}|{boundary + 1}: {verdict.reason}"
+                f"flagged {direction} from {sender} at boundary {boundary}|{boundary + 1} in step {step}: "
+                f"{verdict.reason}"
                 + (f" [{verdict.evidence}]" if verdict.evidence else "")
-                + (f" (strikes {verdict.sender.strikes}, banned)" if verdict.banned else "")
+                + (
+                    f" (strikes {verdict.sender.strikes}{', banned' if verdict.banned else ''})"
+                    if verdict.sender is not None
+                    else ""
+                )
             )
         if verdict.sender is not None:
             self._maybe_publish(boundary, direction, sender, verdict)
