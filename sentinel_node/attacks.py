@@ -141,7 +141,8 @@ def adaptive(
         return (1 - fraction) ** 0.5 * tensor + fraction**0.5 * noise
 
     def passes(fraction: float) -> bool:
-        scores = _scores(monitor.profiler(blend(fraction)), reference)
+        profile = monitor.profiler(blend(fraction))
+        scores = {name: metric(profile, reference) for name, metric in monitor.metrics.items()}
         return all(score <= limits[name] for name, score in scores.items())
 
     low, high = 0.0, 1.0
@@ -251,12 +252,6 @@ def sequence_shuffle(tensor: torch.Tensor, step: int, state: dict, fraction: flo
     order = torch.arange(batch)
     order[chosen] = chosen.roll(1)
     return tensor[order]
-
-
-def _scores(profile, reference) -> dict[str, float]:
-    from sentinel_node.verification import METRICS
-
-    return {name: metric(profile, reference) for name, metric in METRICS.items()}
 
 
 # stateful attacks learn from the honest tensors they see before they start or when they hold back

@@ -102,6 +102,7 @@ DEFAULT_FLOORS = {
     "sign_flip": 0.25,
     "wasserstein": 0.05,
     "spectral": 0.05,
+    "opposed": 0.015,
 }
 
 
@@ -114,6 +115,7 @@ DEFAULT_FENCE_SPACES = {
     "sign_flip": "linear",
     "wasserstein": "relative_log",
     "spectral": "linear",
+    "opposed": "linear",
 }
 
 
@@ -158,6 +160,12 @@ class VerificationConfig(_Strict):
         description="smallest threshold per metric, so a flat window cannot flag noise",
     )
     row_clip: float = Field(4.0, gt=1, description="rows (tokens) are clipped to this many times the median row norm")
+    opposed_from_boundary: int = Field(
+        1,
+        ge=0,
+        description="first boundary whose activations are judged by the share of rows opposed to their mean: the "
+        "first stage's output, close to the embedding table, holds honest rows that point many ways",
+    )
     warmup: int = Field(150, ge=1, description="accepted tensors per boundary before a moderate crossing is flagged")
     warmup_blatant_after: int = Field(
         32,
@@ -219,19 +227,25 @@ class VerificationConfig(_Strict):
     audit_cache_mib: float = Field(64.0, gt=0, description="MiB of relayed tensors a verifier keeps for audits")
     audit_refusal_limit: int = Field(3, ge=1, description="audit requests an auditor refuses in a row for a strike")
 
-    def monitor_settings(self, direction: Literal["activation", "gradient"], seed: int):
-        """Plain settings for one boundary monitor (the verification core does not import pydantic)."""
+    def monitor_settings(self, direction: Literal["activation", "gradient"], seed: int, boundary: int | None = None):
+        """Plain settings for one boundary monitor (the verification core does not import pydantic). The rows'
+        shared direction (`opposed`) judges activations from `opposed_from_boundary` on (None: any boundary)."""
         from sentinel_node.verification import MonitorSettings
+        from sentinel_node.verification.metrics import ACTIVATION_ONLY, METRICS
 
         values = self.model_dump(
             exclude={"beta_act", "beta_grad", "floors", "fence_spaces", "replacement", "gradient_replacement"}
+            | {"opposed_from_boundary"}
             | AUDIT_FIELDS
         )
         values["fence_spaces"] = {**DEFAULT_FENCE_SPACES, **self.fence_spaces}
         values["replacement"] = self.replacement if direction == "activation" else self.gradient_replacement
         values["floors"] = {**DEFAULT_FLOORS, **self.floors}
         beta = self.beta_act if direction == "activation" else self.beta_grad
-        return MonitorSettings(beta=beta, seed=seed, **values)
+        shared = direction == "activation" and (boundary is None or boundary >= self.opposed_from_boundary)
+        unjudged = () if shared else ACTIVATION_ONLY
+        metrics = tuple(name for name in METRICS if name not in unjudged)
+        return MonitorSettings(beta=beta, seed=seed, metrics=metrics, **values)
 
     def audit_tolerances(self):
         """The audit tolerances as the verification core takes them."""

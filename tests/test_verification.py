@@ -207,6 +207,7 @@ ATTACK_FOR_METRIC = [
     ("l2", "gradient", "bias", lambda x: attacks.bias(x, 0, {})),
     ("wasserstein", "activation", "bias", lambda x: attacks.bias(x, 0, {})),
     ("wasserstein", "gradient", "bias", lambda x: attacks.bias(x, 0, {})),
+    ("opposed", "activation", "5% of tokens negated", lambda x: attacks.row_corruption(x, 0, {}, fraction=0.05)),
 ]
 
 
@@ -281,6 +282,33 @@ def test_attacks_are_flagged_after_warmup(streams):
         assert verdict.flagged, f"{attack}: scores {verdict.scores} thresholds {verdict.thresholds}"
         assert verdict.kind is VerdictKind.METRIC and verdict.reason.startswith("metric:")
         assert verdict.over and set(verdict.over) <= set(METRICS)
+
+
+def test_negated_tokens_are_flagged_on_activations_by_the_rows_against_their_mean(streams):
+    """Negating the 5% of tokens furthest along a secret direction leaves every per-channel statistic near honest;
+    the rows' shared direction gives it away (the `opposed` share: about 0 honest, most of 0.05 here). Gradients
+    have no such direction, and are not judged by it."""
+    monitor = warmed_monitor(streams)
+    profiler = make_profiler()
+    honest = [float(profiler(t).opposed) for t in streams.activations[WARMUP : WARMUP + 20]]
+    assert max(honest) < 0.01, honest
+    state: dict = {}
+    for i, tensor in enumerate(streams.activations[WARMUP : WARMUP + 6]):
+        corrupted = attacks.row_corruption(tensor, i, state, fraction=0.05)
+        # a negated row's cosine is minus its honest one: most, not all, were well aligned before
+        assert 0.6 * 0.05 <= float(profiler(corrupted).opposed) <= 0.05 + 1 / 512
+        verdict = monitor.check(corrupted, "attacker", content=i)
+        assert verdict.flagged and "opposed" in verdict.over, (verdict.scores, verdict.thresholds)
+    assert monitor.ledger.senders["attacker"].strikes >= 3
+    assert "opposed" not in warmed_monitor(streams, "gradient").thresholds
+    # nor the first stage's output, whose honest rows point many ways (demo model: up to 9% below -1/2)
+    config = load_config().verification
+    assert [("opposed" in config.monitor_settings("activation", 0, boundary).metrics) for boundary in (0, 1, 2)] == [
+        False,
+        True,
+        True,
+    ]
+    assert "opposed" not in config.monitor_settings("gradient", 0, 1).metrics
 
 
 def test_blatantly_flagged_tensors_never_move_the_baseline(streams):

@@ -43,9 +43,9 @@ class BoundaryVerifier:
             config.probation,
         )
 
-        def monitor(direction: str) -> BoundaryMonitor:
+        def monitor(boundary: int, direction: str) -> BoundaryMonitor:
             return BoundaryMonitor(
-                config.monitor_settings(direction, seed),
+                config.monitor_settings(direction, seed, boundary),
                 hidden_size=hidden_size,
                 expected_shape=expected_shape,
                 dtype=dtype,
@@ -55,7 +55,7 @@ class BoundaryVerifier:
 
         self._monitor = monitor
         self.monitors: dict[tuple[int, str], BoundaryMonitor] = {
-            (boundary, direction): monitor(direction)
+            (boundary, direction): monitor(boundary, direction)
             for boundary in boundaries
             for direction in ("activation", "gradient")
         }
@@ -101,7 +101,7 @@ class BoundaryVerifier:
         seen = self.senders.get(key)
         if not seen or not live or set(seen) & live:
             return False
-        self.monitors[key] = self._monitor(direction)
+        self.monitors[key] = self._monitor(boundary, direction)
         self.senders[key] = {}
         return True
 

@@ -73,6 +73,17 @@ def norm_shift(profile: Profile, reference: Profile) -> float:
     return float((profile.log_rms - reference.log_rms).abs())
 
 
+def opposed_rows(profile: Profile, reference: Profile) -> float:
+    """Rise of the share of rows (tokens) that point against the tensor's own mean row, over the reference's.
+
+    A residual stream's rows share a direction, so an honest activation has next to none pointing against it;
+    negating some tokens (a content-aware corruption of the rows a backdoor would pick) leaves every per-channel
+    statistic near honest but adds exactly their share here. Signed, like `spectral_shift`: only a rise is ever
+    over the fence. Activations only: gradients' rows share no direction (an honest share near one half).
+    """
+    return float(profile.opposed - reference.opposed)
+
+
 METRICS: dict[str, Callable[[Profile, Profile], float]] = {
     "l1": l1_distance,
     "l2": l2_distance,
@@ -81,4 +92,9 @@ METRICS: dict[str, Callable[[Profile, Profile], float]] = {
     "sign_flip": sign_flip_ratio,
     "wasserstein": sliced_wasserstein,
     "spectral": spectral_shift,
+    "opposed": opposed_rows,
 }
+# judged by their fences but not ranked against peers: most honest scores tie at zero, and ranks of ties say nothing
+FENCE_ONLY = ("opposed",)
+# statistics of the rows' shared direction, which only activations have (docs/decisions.md)
+ACTIVATION_ONLY = ("opposed",)

@@ -22,7 +22,7 @@ from enum import Enum
 import torch
 
 from sentinel_node.verification.baseline import EmaBaseline
-from sentinel_node.verification.metrics import METRICS
+from sentinel_node.verification.metrics import FENCE_ONLY, METRICS
 from sentinel_node.verification.peers import PeerAlarm, PeerEvidence
 from sentinel_node.verification.profile import Profile, Profiler, Scan
 from sentinel_node.verification.reference import PeerReference
@@ -68,6 +68,7 @@ class MonitorSettings:
     max_senders: int
     replacement: str
     seed: int
+    metrics: tuple[str, ...] = tuple(METRICS)  # those judged at this boundary and direction
 
 
 class VerdictKind(Enum):
@@ -197,10 +198,12 @@ class BoundaryMonitor:
             name: AdaptiveThreshold(
                 settings.window, settings.fence_k, settings.floors[name], settings.fence_spaces[name]
             )
-            for name in METRICS
+            for name in settings.metrics
         }
+        self.metrics = {name: METRICS[name] for name in settings.metrics}
+        ranked = tuple(name for name in settings.metrics if name not in FENCE_ONLY)
         self.peers = PeerEvidence(
-            tuple(METRICS), settings.peer_pool, settings.peer_kappa, settings.peer_limit, settings.max_senders
+            ranked, settings.peer_pool, settings.peer_kappa, settings.peer_limit, settings.max_senders
         )
         self.shift = SharedShift(settings.peer_pool)
         self.sketcher = ReplaySketcher(hidden_size, settings.replay_width, settings.seed)
@@ -257,9 +260,9 @@ class BoundaryMonitor:
             self._accept(profile, {})
             return self._accepted(tensor, sender, {}, {}, warming_up=True)
 
-        scores = {name: metric(profile, reference) for name, metric in METRICS.items()}
-        limits = {name: self.thresholds[name].threshold() for name in METRICS}
-        severities = {name: self.thresholds[name].severity(scores[name]) for name in METRICS}
+        scores = {name: metric(profile, reference) for name, metric in self.metrics.items()}
+        limits = {name: self.thresholds[name].threshold() for name in self.metrics}
+        severities = {name: self.thresholds[name].severity(scores[name]) for name in self.metrics}
         severity = max(severities.values())
         alarm = self.peers.observe(sender, scores)
         evidence = dict(scores=scores, limits=limits, severity=severity)
@@ -296,12 +299,12 @@ class BoundaryMonitor:
         would otherwise be learned by the baseline and the fences before any could flag it (the sweep's
         `start_blatant`). A lone sender's EMA is still forming in warm-up, so its tensors wait for the whole of it."""
         if not self.warming_up:
-            return tuple(name for name in METRICS if scores[name] > limits[name])
+            return tuple(name for name in self.metrics if scores[name] > limits[name])
         after, cut = self.settings.warmup_blatant_after, self.settings.blatant_severity
         if not judged_by_peers or not after:
             return ()
         return tuple(
-            name for name in METRICS if len(self.thresholds[name].scores) >= after and severities[name] >= cut
+            name for name in self.metrics if len(self.thresholds[name].scores) >= after and severities[name] >= cut
         )
 
     def _replayed(self, tensor: torch.Tensor, sender: str, content: int | None) -> ReplayMatch | None:

@@ -20,6 +20,11 @@ import torch
 
 Clock = Callable[[str], None]  # called after each stage of a profile with the stage's name (benchmarks time them)
 
+# a row counts as opposed to its tensor's mean row below this cosine: honest rows that merely point elsewhere (the
+# first stage's output carries token-specific directions, at cosines down to -0.3) are not, negated ones (about -0.9)
+# are (docs/decisions.md, "Rows against the boundary's mean direction")
+OPPOSED_COSINE = -0.5
+
 # rows are scanned in slices of about this many bytes of float32, which stay in a core's cache between the
 # statistics taken of them (on a GPU the whole tensor is one slice)
 _SLICE_BYTES = 2**20
@@ -39,6 +44,7 @@ class Profile:
     rms: torch.Tensor  # (hidden,) per-channel root mean square
     quantiles: torch.Tensor  # (projections, levels) quantiles of the rows projected on fixed random directions
     spectral_share: torch.Tensor  # () share of the rows' energy in their top singular values
+    opposed: torch.Tensor  # () share of the rows pointing against the tensor's own mean row (`OPPOSED_COSINE`)
     log_rms: torch.Tensor  # () log of the whole tensor's root mean square
 
     def blend(self, other: Profile, beta: float) -> Profile:
@@ -48,7 +54,7 @@ class Profile:
         )
 
     def fields(self) -> tuple[torch.Tensor, ...]:
-        return self.mean, self.absmean, self.rms, self.quantiles, self.spectral_share, self.log_rms
+        return self.mean, self.absmean, self.rms, self.quantiles, self.spectral_share, self.opposed, self.log_rms
 
 
 @dataclass(frozen=True)
@@ -164,22 +170,25 @@ class Profiler:
         quantiles = _quantiles(projected, self.levels)
         tick("clip, quantiles")
 
-        top, sums = self._top_energy(values, weights, products[:, : self.sketch_width], tick)
+        top, sums, along = self._top_energy(values, weights, products[:, : self.sketch_width], tick)
         fields = (
             sums * (scale / n),
             absolutes * (scale / n),
             (squares / n).sqrt() * scale,
             quantiles,
             top / total.clamp_min(1e-30),
+            (along < OPPOSED_COSINE * norms * sums.norm()).float().mean(),
             rms.clamp_min(1e-30).log(),
         )
         return Profile(*(f.cpu() for f in fields)) if self.device.type != "cpu" else Profile(*fields)
 
     def _top_energy(
         self, values: torch.Tensor, weights: torch.Tensor, sketch: torch.Tensor, tick: Clock
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The energy of the clipped rows W A in their top `spectral_rank` singular directions, and (for free, in
-        the first product) the column sums of W A.
+        the first product) the column sums of W A, and (one more column of the second) the rows' dot products with
+        those sums: residual streams share a direction, and a row that points against it is rare in honest work
+        (the `opposed` share; docs/decisions.md, "Rows against the boundary's mean direction").
 
         The range finder alternates sides from the scan's sketch W A Omega: B = Q^T W A with Q an orthonormal
         basis of the sketch, then W A Z with Z one of B's row space, and so on, `self.passes` products in all
@@ -187,7 +196,7 @@ class Profiler:
         product: the rows' energy in the subspace it was projected on.
         """
         weights = weights[:, None]
-        column_sums = None
+        column_sums = along = None
         product = sketch
         for index in range(self.passes):
             if index % 2 == 0:  # left: Q^T W A, (l, hidden)
@@ -197,14 +206,22 @@ class Profiler:
                 product = self._left(values, left)
                 if column_sums is None:
                     product, column_sums = product[:-1], product[-1]
-            else:  # right: W A Z, (rows, l)
-                product = weights * self._right(values, _orthonormal(product.T))
+            else:  # right: W A Z, (rows, l); the first also takes A times the column sums (signs: W is positive)
+                right = _orthonormal(product.T)
+                if along is None:
+                    right = torch.cat([right, column_sums[:, None]], dim=1)
+                product = self._right(values, right)
+                if along is None:
+                    product, along = product[:, :-1], product[:, -1]
+                product = weights * product
             if index < self.passes - 1:
                 tick("power iteration")
+        if along is None:  # no power iteration: one product of its own
+            along = self._right(values, column_sums[:, None])[:, 0]
         gram = product @ product.T if self.passes % 2 else product.T @ product
         energies = torch.linalg.eigvalsh(gram).clamp_min(0)
         tick("range, energy")
-        return energies[-self.spectral_rank :].sum(), column_sums
+        return energies[-self.spectral_rank :].sum(), column_sums, along
 
     def _left(self, values: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
         """left^T @ values in float32, (k, hidden); slice by slice when the values need a cast."""
