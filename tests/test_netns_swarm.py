@@ -18,6 +18,8 @@ files, the trainer's step records and summary) and assert:
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -30,13 +32,17 @@ from sentinel_node.demo import DEMO_CONFIG_PATH, Demo, DemoSettings
 from sentinel_node.roles.status import StageStatus, VerifierStatus
 from sentinel_node.supervisor import Placement
 
-# after the last heal the healed verifier needs a few seconds to be read back into the trainer's view (its
-# announcement expired while it was cut; a refresh every announce period of 2 s): steps after the partitions take
-# 0.25 s on idle cores, and 24 steps in all once left it 3.5 s, not enough (it relayed nothing after its heal)
 STEPS = 40
 CUT_STAGE_AT = 3  # step at which stage0-1 is cut off
 PARTITION_S = 16.0  # longer than the demo config's announce_ttl (12 s): the cut node drops out of every view
 AFTER_HEAL = 3  # steps the healed stage replica serves before the verifier is cut
+# After its heal the verifier is back on routes once its announcement (expired while it was cut) is stored again
+# and read into the trainer's and the stages' views: 11 s on idle cores (status files, written every 2 s, showed
+# its first relay 11.0-11.6 s after the heal). Steps after the partitions take 0.2 s there, so the run's last 30
+# steps took 8 s and it relayed nothing (CI-like run, 2026-12-03). Until it relays, the trainer is made a slow one
+# (stopped, SIGSTOP, for what is left of PACE_S after each step, then continued): 30 s for it whatever the speed of
+# the machine, and the claim stays about the running trainer taking the healed verifier back.
+PACE_S = 1.0
 
 # the swarm starts and trains in the fixture; on two cores shared with other swarms (load 25-40) that took 12-15
 # minutes, so the limit leaves room (see docs/reliability.md for the measured times)
@@ -92,7 +98,8 @@ def swarm(tmp_path_factory) -> Iterator[Demo]:
 class Chaos:
     """Cuts stage0-1 off at CUT_STAGE_AT and heals it PARTITION_S later, once the other replica's status shows it
     served since the cut; AFTER_HEAL steps later, does the same to verifier1 (healed once verifier0 relayed since).
-    Remembers what the nodes said at each moment.
+    Remembers what the nodes said at each moment. After the last heal, makes the trainer slow until verifier1
+    relays again (PACE_S).
 
     Waiting on what the other replica did, not only on the clock: a step whose microbatches were all routed to the
     cut replica waits out their deadline (20 s, longer than the partition), and the retries the other replica then
@@ -103,6 +110,7 @@ class Chaos:
         self.phase = "before"
         self.moments: dict[str, dict] = {}
         self.cut_at = 0.0
+        self.step_began = 0.0
 
     def snapshot(self, label: str, step: int) -> None:
         statuses = {name: node.status() for name, node in self.demo.swarm.nodes.items() if node.role != "bootstrap"}
@@ -125,13 +133,35 @@ class Chaos:
         elif self.phase == "verifier cut" and self._stood_in("verifier cut", "verifier0"):
             self.snapshot("verifier healed", step)
             network.heal("verifier1")
-            self.phase = "verifier healed"
+            self.phase, self.step_began = "verifier healed", time.monotonic()
+        elif self.phase == "verifier healed":
+            self._pace_until_back()
+
+    def _pace_until_back(self) -> None:
+        """Makes the step just done last PACE_S (the trainer stopped for the rest) until verifier1's status shows a
+        relay since its heal."""
+        if self._served_now("verifier1") > served(self.moments["verifier healed"], "verifier1"):
+            self.phase = "verifier back"
+            return
+        rest = self.step_began + PACE_S - time.monotonic()
+        trainer = self.demo.node("trainer").process
+        if rest > 0 and trainer.poll() is None:
+            os.kill(trainer.pid, signal.SIGSTOP)
+            try:
+                time.sleep(rest)
+            finally:
+                os.kill(trainer.pid, signal.SIGCONT)
+        self.step_began = time.monotonic()
 
     def _stood_in(self, cut: str, other: str) -> bool:
         """Whether the partition lasted PARTITION_S and ``other`` served since the cut, as its status says."""
         if time.monotonic() - self.cut_at < PARTITION_S:
             return False
-        return served({"status": {other: self.demo.node(other).status()}}, other) > served(self.moments[cut], other)
+        return self._served_now(other) > served(self.moments[cut], other)
+
+    def _served_now(self, name: str) -> int:
+        """What ``name``'s status file says it served (a stage) or relayed (a verifier) so far."""
+        return served({"status": {name: self.demo.node(name).status()}}, name)
 
 
 def verdicts_logged(swarm: Demo) -> list[str]:
@@ -153,7 +183,9 @@ def served(moment: dict, name: str) -> int:
 
 def test_training_goes_on_through_the_partitions_and_no_microbatch_is_lost_or_settled_twice(swarm):
     chaos = swarm.chaos
-    assert chaos.phase == "verifier healed", f"training ended before the partitions were done: {chaos.phase}"
+    assert chaos.phase in ("verifier healed", "verifier back"), (
+        f"training ended before the partitions were done: {chaos.phase}"
+    )
     steps = [record["step"] for record in swarm.steps]
     assert steps == list(range(STEPS))
     accounting = swarm.result.microbatches
@@ -175,7 +207,14 @@ def test_training_goes_on_through_the_partitions_and_no_microbatch_is_lost_or_se
 def test_the_cut_replica_rejoins_syncs_and_serves_again(swarm):
     chaos = swarm.chaos
     healed = chaos.moments["stage healed"]
+    # the replica applies the last step as training ends and writes its status file every announce period, so a
+    # file read straight after training can predate that step (the likely cause of one failure of this test on
+    # 2026-12-03 whose output was lost: the files the run left all held what the assertions ask)
+    deadline = time.monotonic() + 5 * swarm.config.swarm.announce_period
     now = swarm.node("stage0-1").status()
+    while now.last_step != STEPS - 1 and time.monotonic() < deadline:
+        time.sleep(swarm.config.swarm.announce_period / 4)
+        now = swarm.node("stage0-1").status()
     assert now.served > served(healed, "stage0-1"), "stage0-1 served nothing after the heal"
     assert now.resyncs >= 1 and now.synced_from == swarm.peer("stage0-0"), now
     assert now.last_step == STEPS - 1
@@ -188,16 +227,21 @@ def test_every_view_converges_with_nobody_honest_excluded_or_struck(swarm):
     views = swarm.views()
     assert set(views) == {"stage0-0", "stage0-1", "stage1-0", "verifier0", "verifier1", "trainer"}
     assert all(view == [] for view in views.values()), (views, verdicts_logged(swarm))
-    # the strike records every node reads come to be the same, and none holds a strike (audits publish records
-    # too; one published as training ends reaches each view within a refresh or two, and a status file within a
-    # period after that)
+    # the strike records every running node reads come to be the same, and none holds a strike (audits publish
+    # records too; one published as training ends reaches each view within a refresh or two, and a status file
+    # within a period after that). The trainer has stopped: its last status may lack a record published after it
+    # (a passed audit's, 2026-12-03), never hold one the others do not.
+    running = [name for name in views if swarm.node(name).alive]
+    assert "trainer" not in running and len(running) == len(views) - 1, running
     deadline = time.monotonic() + 10 * swarm.config.swarm.announce_period
     while True:
         strikes = {name: swarm.node(name).status().strikes for name in views}
-        if len({repr(sorted(s.items())) for s in strikes.values()}) == 1 or time.monotonic() > deadline:
+        if len({repr(sorted(strikes[name].items())) for name in running}) == 1 or time.monotonic() > deadline:
             break
         time.sleep(swarm.config.swarm.announce_period / 2)
-    assert len({repr(sorted(s.items())) for s in strikes.values()}) == 1, strikes
+    assert len({repr(sorted(strikes[name].items())) for name in running}) == 1, strikes
+    seen = strikes[running[0]]
+    assert all(set(by) <= set(seen.get(accused, {})) for accused, by in strikes["trainer"].items()), strikes
     assert all(n == 0 for s in strikes.values() for by in s.values() for n in by.values()), strikes
     assert result.honest_excluded == [] and result.honest_peers_with_strikes == {}
     assert result.verifier_checks > 0

@@ -16,6 +16,7 @@ from sentinel_node.attacks import AttackError
 from sentinel_node.cli import main
 from sentinel_node.config import load_config
 from sentinel_node.demo import DEMO_CONFIG_PATH
+from sentinel_node.roles.replica_state import Behind, when_behind
 from sentinel_node.roles.stage import AttackOptions
 from sentinel_node.roles.trainer import Accounting, AccountingError
 from sentinel_node.roles.verifier import StrikePublisher
@@ -155,6 +156,24 @@ def test_a_view_showing_only_this_node_is_no_view_of_the_swarm():
     assert asyncio.run(read_alone()) is None
 
 
+def test_a_replica_behind_the_swarm_serves_only_where_no_newer_state_exists():
+    def verdict(last: int, swarm: int, **kw) -> Behind:
+        fields = dict(resumed=True, synced=False, others=False, resume_behind=False, checkpoint_every=10) | kw
+        return when_behind(last, swarm, **fields)
+
+    assert verdict(50, 50) is verdict(51, 50) is Behind.SERVE
+    assert verdict(40, 50, synced=True, others=True) is Behind.SERVE  # a live state, the swarm trained on meanwhile
+    # the only replica of its stage, killed and restarted from its last checkpoint (the churn soak: 3 steps behind)
+    assert verdict(47, 50) is verdict(41, 50) is Behind.ADOPT_LAST
+    # issue 16: a checkpoint older than a kill can explain (the disk lost the newer ones) is refused, told or not
+    assert verdict(40, 50) is verdict(6, 950) is Behind.REFUSE
+    assert verdict(40, 50, resume_behind=True) is Behind.ADOPT_TOLD
+    # while another replica lives, its state is newer: even a step behind is refused
+    assert verdict(49, 50, others=True) is Behind.REFUSE
+    assert verdict(-1, 50, resumed=False) is Behind.ADOPT_UNCOVERED
+    assert verdict(-1, 50, resumed=False, others=True) is Behind.REFUSE
+
+
 def test_gatekeeper_admits_refuses_and_bans():
     views = FixedViews(view())
     gate = Gatekeeper(views)
@@ -280,6 +299,36 @@ def test_strike_publisher_rewrites_its_standing_records_unchanged_until_they_exp
     ends = [end for record, end in store.puts if record.accused == STAGE0]
     assert max(ends) - min(ends) < 0.05 and abs(ends[0] - writes[0].time - 60.0) < 0.05  # and so its expiration
     assert all(record.accused != STAGE1 for record, _ in store.puts) and STAGE1 not in publisher._standing
+
+
+class SubmittingStore(RecordingStore):
+    """Submits a newer verdict on STAGE1 to the publisher while the first rewrite (of STAGE0) is being written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.publisher: StrikePublisher | None = None
+        self.newer = strike(STAGE1).replace(strikes=2)
+
+    def put(self, record: StrikeRecord, ttl: float) -> bool:
+        if self.publisher is not None and record.accused == STAGE0 and len(self.puts) == 2:
+            self.publisher.submit(self.newer)
+        return super().put(record, ttl)
+
+
+def test_a_verdict_that_comes_during_a_rewrite_is_written_at_once_and_the_older_record_never_again():
+    """Rewriting every standing record can take seconds of DHT writes: a newer verdict that comes meanwhile must
+    not wait for the whole round, nor be overwritten by the older record the round was about to write again."""
+    store = SubmittingStore()
+    publisher = StrikePublisher(store, ttl=60.0, republish_every=0.3)
+    store.publisher = publisher
+    publisher.submit(strike(STAGE0))
+    publisher.submit(strike(STAGE1))  # the standing record on STAGE1: three strikes
+    time.sleep(0.45)  # the first round: STAGE0 (whose write submits the newer STAGE1), then STAGE1
+    publisher.stop()
+    on_stage1 = [record.strikes for record, _ in store.puts if record.accused == STAGE1]
+    # the first write (3 strikes), then the newer verdict at once, and the older record never again
+    assert on_stage1[:2] == [3, 2] and set(on_stage1[1:]) == {2}, on_stage1
+    assert publisher._standing[STAGE1].strikes == 2
 
 
 def test_join_stage_needs_a_stage_of_the_config_and_a_valid_attack():

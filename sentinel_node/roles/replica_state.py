@@ -10,6 +10,7 @@ at once.
 from __future__ import annotations
 
 import asyncio
+import enum
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +40,43 @@ logger = get_logger(__name__)
 # Joining: how long one replica's state may take to arrive, and how many rounds over the live replicas to try.
 STATE_DOWNLOAD_TIMEOUT_S = 60.0
 STATE_DOWNLOAD_ROUNDS = 3
+
+
+class Behind(enum.Enum):
+    """What a replica whose state is older than the swarm's step does before it serves (:func:`when_behind`)."""
+
+    SERVE = "serve"  # not behind, or behind only because the swarm trained on while it downloaded a live state
+    ADOPT_UNCOVERED = "adopt_uncovered"  # fresh weights on a stage no live replica holds: nothing newer exists
+    ADOPT_LAST = "adopt_last"  # its own latest checkpoint on a stage no live replica holds: what a kill left
+    ADOPT_TOLD = "adopt_told"  # --resume-behind
+    REFUSE = "refuse"
+
+
+def when_behind(
+    last_step: int,
+    swarm_step: int,
+    *,
+    resumed: bool,
+    synced: bool,
+    others: bool,
+    resume_behind: bool,
+    checkpoint_every: int,
+) -> Behind:
+    """Whether a replica at `last_step` may serve at the swarm's `swarm_step` (`resumed`: from its own checkpoint;
+    `synced`: from a live replica's state; `others`: other live replicas of its stage exist).
+
+    A state older than the swarm's is refused (issue 16: a restart from a checkpoint that a disk had lost the newer
+    ones of served a state 944 steps old as current), with three exceptions that leave no newer state anywhere to
+    take: fresh weights on a stage nobody else holds; a checkpoint fewer than `checkpoint_every` steps behind on such a
+    stage (a replica killed after it lost the steps since, and nobody has them: the churn soak's only replica of a
+    stage, SIGKILLed and restarted 3 steps behind, refused and left the stage uncovered for good); and being told."""
+    if last_step >= swarm_step or synced:
+        return Behind.SERVE
+    if not others and not resumed:
+        return Behind.ADOPT_UNCOVERED
+    if not others and swarm_step - last_step < checkpoint_every:
+        return Behind.ADOPT_LAST
+    return Behind.ADOPT_TOLD if resume_behind else Behind.REFUSE
 
 
 class ReplicaState:

@@ -78,7 +78,7 @@ from sentinel_node.roles.compute import ComputeLane
 from sentinel_node.roles.metrics import Sample
 from sentinel_node.roles.node import Node, NodeContext, periodically, started_node, wait_for_stop
 from sentinel_node.roles.reachability import Reachability
-from sentinel_node.roles.replica_state import ReplicaState
+from sentinel_node.roles.replica_state import Behind, ReplicaState, when_behind
 from sentinel_node.roles.status import NodeStatus, ReachabilityStatus, StageStatus
 from sentinel_node.roles.views import Gatekeeper, live_trainer, live_verifier, shows_others
 from sentinel_node.roles.wire import (
@@ -457,41 +457,56 @@ class StageNode(Node):
         to that state unnoticed (a restart from a stale checkpoint once lost 944 steps). NodeError naming both steps,
         unless ``resume_behind``, which adopts the swarm's step for this state.
 
-        A replica with fresh weights on a stage that no live replica holds (its last one died, and this one joined or
-        moved to cover it) adopts the swarm's step with a warning: no newer state of the stage exists anywhere, and
-        refusing would leave the stage uncovered for good."""
+        On a stage that no live replica holds (its last one died, and this one joined, moved or came back to cover
+        it), fresh weights, or this replica's own checkpoint less than a checkpoint interval behind, adopt the
+        swarm's step with a warning: no newer state of the stage exists anywhere, and refusing would leave the stage
+        uncovered for good (:func:`sentinel_node.roles.replica_state.when_behind`)."""
         view = await self._read_swarm()
         swarm_step = view.step_estimate(exclude=self.peer_id)
-        if self.last_step >= swarm_step:
-            return
-        if self.state.synced_from is not None:
-            # a live replica's state, taken again and again while the swarm trained on: not a stale checkpoint. The
-            # first call of a later step finds the steps it lacks and takes the state once more (_notice_missed)
-            logger.info(
-                f"stage {self.stage}: the state taken is at step {self.last_step}, the swarm's at {swarm_step} (it "
-                "trains faster than a state downloads); the first call of a later step takes the state again"
-            )
-            return
+        others = [a for a in view.live_replicas(self.stage) if a.peer_id != self.peer_id]
+        verdict = when_behind(
+            self.last_step,
+            swarm_step,
+            resumed=self.state.resumed_from is not None,
+            synced=self.state.synced_from is not None,
+            others=bool(others),
+            resume_behind=self.settings.resume_behind,
+            checkpoint_every=self.settings.checkpoint_every,
+        )
         mine = "fresh weights" if self.last_step < 0 else f"step {self.last_step}"
         where = f" (checkpoint in {self.state.state_dir})" if self.state.resumed_from is not None else ""
-        others = [a for a in view.live_replicas(self.stage) if a.peer_id != self.peer_id]
-        uncovered = self.state.resumed_from is None and self.state.synced_from is None and not others
-        if uncovered:
+        lost = swarm_step - self.last_step
+        if verdict is Behind.SERVE:
+            if self.last_step < swarm_step:
+                # a live replica's state, taken again and again while the swarm trained on: not a stale checkpoint.
+                # The first call of a later step finds the steps it lacks and takes the state once more
+                logger.info(
+                    f"stage {self.stage}: the state taken is at step {self.last_step}, the swarm's at {swarm_step} "
+                    "(it trains faster than a state downloads); the first call of a later step takes the state again"
+                )
+            return
+        if verdict is Behind.REFUSE:
+            raise NodeError(
+                f"stage {self.stage}: this replica's state is at {mine}{where}, but the swarm's live replicas are at "
+                f"step {swarm_step}; serving it would set the stage back {lost} steps. Restore "
+                "a newer checkpoint into --state-dir, or rejoin with --resume-behind to serve this state at the "
+                f"swarm's step {swarm_step} knowingly"
+            )
+        if verdict is Behind.ADOPT_UNCOVERED:
             logger.warning(
                 f"stage {self.stage} has no other live replica and no state to sync: serving fresh weights as step "
                 f"{swarm_step}, the swarm's step (the stage's training so far is lost)"
             )
-        elif not self.settings.resume_behind:
-            raise NodeError(
-                f"stage {self.stage}: this replica's state is at {mine}{where}, but the swarm's live replicas are at "
-                f"step {swarm_step}; serving it would set the stage back {swarm_step - self.last_step} steps. Restore "
-                "a newer checkpoint into --state-dir, or rejoin with --resume-behind to serve this state at the "
-                f"swarm's step {swarm_step} knowingly"
+        elif verdict is Behind.ADOPT_LAST:
+            logger.warning(
+                f"stage {self.stage} has no other live replica: serving {mine}{where}, this replica's last "
+                f"checkpoint, as step {swarm_step}, the swarm's step (the {lost} steps after it were lost with the "
+                "process that computed them, and no live replica holds them)"
             )
         else:
             logger.warning(
                 f"stage {self.stage}: --resume-behind: serving {mine}{where} as step {swarm_step}, the swarm's step "
-                f"({swarm_step - self.last_step} steps of training on this stage are lost)"
+                f"({lost} steps of training on this stage are lost)"
             )
         with self.state.lock:
             self.state.step = self.last_step = swarm_step
