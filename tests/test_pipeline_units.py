@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -14,9 +15,11 @@ from dht import DHTUnavailable, StageAnnouncement, StrikeRecord, TrainerAnnounce
 from peers import Exclusion, LivenessBlacklist, SwarmView, order_candidates
 from sentinel_node.attacks import AttackError
 from sentinel_node.cli import main
-from sentinel_node.config import load_config
+from sentinel_node.config import ModelConfig, PipelineConfig, load_config
 from sentinel_node.demo import DEMO_CONFIG_PATH
-from sentinel_node.roles.replica_state import Behind, when_behind
+from sentinel_node.pipeline import StageWorker
+from sentinel_node.roles.compute import ComputeLane
+from sentinel_node.roles.replica_state import STATE_DOWNLOAD_ROUNDS, Behind, ReplicaState, when_behind
 from sentinel_node.roles.stage import AttackOptions
 from sentinel_node.roles.trainer import Accounting, AccountingError
 from sentinel_node.roles.verifier import StrikePublisher
@@ -357,3 +360,46 @@ def test_a_verifier_learns_a_stage_afresh_once_every_sender_it_learned_from_has_
     fresh = checker.monitors[(0, "activation")]
     assert fresh is not old and fresh.warming_up and fresh.ledger is checker.ledger  # strikes and bans are kept
     assert checker.monitors[(0, "gradient")] is not fresh and not checker.restart_if_replaced(0, "gradient", {"x"})
+
+
+class FlakyStateSource:
+    """Stands in for the averager's download (not under test): no usable state for the first ``fails`` asks, then
+    ``state``, a real replica's packed state."""
+
+    def __init__(self, state, fails: int) -> None:
+        self.state, self.fails, self.asked = state, fails, 0
+
+    def download_state(self, peer: str, timeout: float, max_bytes: int):
+        self.asked += 1
+        return None if self.asked <= self.fails else self.state
+
+
+def test_a_replica_behind_the_swarm_keeps_asking_for_the_state_while_a_replica_lives(caplog):
+    """The churn soak's restarted stage2-1 got no usable state in its 3 rounds (4 s), then refused its 59-step-old
+    checkpoint and exited; now it asks again, with a backoff, while its own state is behind the swarm's."""
+    model = ModelConfig(hidden_size=16, intermediate_size=32, n_layers=2, n_heads=2, n_kv_heads=2)
+    live = ReplicaState(StageWorker(model, PipelineConfig(n_stages=2), 0), "cafe")
+    live.step = 59
+    lane = ComputeLane("test-sync")
+
+    async def sibling() -> list[str]:
+        return ["sibling"]
+
+    async def behind() -> bool:
+        return joining.step < 59
+
+    joining = ReplicaState(StageWorker(model, PipelineConfig(n_stages=2), 0), "cafe")
+    joining.resumed_from = "checkpoint"  # a restart from its own old checkpoint
+    source = FlakyStateSource(live.current(), fails=STATE_DOWNLOAD_ROUNDS + 1)
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(joining.sync(sibling, source, lane, behind, patience_s=60.0))
+    assert joining.step == 59 and joining.synced_from == "sibling" and source.asked == STATE_DOWNLOAD_ROUNDS + 2
+    assert "gave a usable state yet, and this one's (step -1) is behind the swarm's; asking again" in caplog.text
+
+    # a state that will do (not behind), or patience spent: it gives up after its rounds, as before
+    for still_needed, patience in ((None, 60.0), (behind, 0.5)):
+        stale = ReplicaState(StageWorker(model, PipelineConfig(n_stages=2), 0), "cafe")
+        stale.resumed_from = "checkpoint"
+        source = FlakyStateSource(live.current(), fails=100)
+        asyncio.run(stale.sync(sibling, source, lane, still_needed, patience_s=patience))
+        assert stale.step == -1 and stale.synced_from is None and source.asked == STATE_DOWNLOAD_ROUNDS

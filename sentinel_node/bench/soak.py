@@ -601,7 +601,9 @@ class Soak:
                 continue
             for peer in status.excluded if status is not None else []:
                 if peer in honest and honest[peer] not in self.honest_excluded:
-                    self.honest_excluded[honest[peer]] = f"in {name}'s view at {self._now():.0f}s"
+                    # who struck it, as that node read the records: what tells a ban apart from a view's glitch
+                    by = {honest.get(v, v[:12]): n for v, n in status.strikes.get(peer, {}).items()}
+                    self.honest_excluded[honest[peer]] = f"in {name}'s view at {self._now():.0f}s (strikes by {by})"
 
     def _honest(self) -> dict[str, str]:
         with self.lock:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -40,6 +41,11 @@ logger = get_logger(__name__)
 # Joining: how long one replica's state may take to arrive, and how many rounds over the live replicas to try.
 STATE_DOWNLOAD_TIMEOUT_S = 60.0
 STATE_DOWNLOAD_ROUNDS = 3
+# After those rounds, a replica whose own state is behind the swarm's keeps asking this long in all (then gives up
+# as before), pausing twice as long each time up to the cap: long enough for a busy replica at a load average of 20
+# to answer, short enough that a replica nobody can serve says so within minutes.
+STATE_SYNC_PATIENCE_S = 300.0
+STATE_SYNC_MAX_PAUSE_S = 30.0
 
 
 class Behind(enum.Enum):
@@ -166,14 +172,28 @@ class ReplicaState:
     # --- joining
 
     async def sync(
-        self, sources: Callable[[], Awaitable[list[str]]], averager: ReplicaAverager, lane: ComputeLane
+        self,
+        sources: Callable[[], Awaitable[list[str]]],
+        averager: ReplicaAverager,
+        lane: ComputeLane,
+        still_needed: Callable[[], Awaitable[bool]] | None = None,
+        patience_s: float = STATE_SYNC_PATIENCE_S,
     ) -> None:
         """Takes the stage's state from a live replica (``sources()`` names them) when it is ahead of this one's.
+
+        It asks every live replica, round after round, STATE_DOWNLOAD_ROUNDS times; then, while ``still_needed()``
+        says this replica's own state will not do (it is behind the swarm's) and live replicas exist, it keeps
+        asking with a backoff for up to ``patience_s`` in all: a download that fails while the other replica is
+        busy or its connection is new must not end the node (the churn soak's restarted stage2-1 gave up after 4 s
+        and exited, its checkpoint 59 steps old).
 
         NodeError when live replicas exist but none gave a usable state and no checkpoint was resumed: serving
         freshly initialised weights would drag the stage back."""
         attempted: list[str] = []
-        for attempt in range(STATE_DOWNLOAD_ROUNDS):
+        began = time.monotonic()
+        pause = 1.0
+        attempt = 0
+        while True:
             peers = await sources()
             if not peers:
                 if attempt == 0:
@@ -185,7 +205,19 @@ class ReplicaState:
                 attempted.append(peer)
                 if await self._take_from(peer, averager, lane):
                     return
-            await asyncio.sleep(1.0)
+            attempt += 1
+            if attempt >= STATE_DOWNLOAD_ROUNDS:
+                if still_needed is None or not await still_needed():
+                    break
+                if time.monotonic() - began + pause > patience_s:
+                    break
+                logger.warning(
+                    f"stage {self.stage}: no live replica ({', '.join(dict.fromkeys(peers))}) gave a usable state "
+                    f"yet, and this one's (step {self.step}) is behind the swarm's; asking again in {pause:.0f} s"
+                )
+            await asyncio.sleep(pause)
+            if attempt >= STATE_DOWNLOAD_ROUNDS:
+                pause = min(2 * pause, STATE_SYNC_MAX_PAUSE_S)
         if self.resumed_from is None:
             raise NodeError(
                 f"stage {self.stage}: no live replica ({', '.join(dict.fromkeys(attempted))}) gave a usable state "

@@ -360,7 +360,7 @@ class StageNode(Node):
         self.throughput.update(tokens, interval=tokens / measured.tokens_per_s)
         self.announcer.update(throughput=float(self.throughput.samples_per_second))
         if self.averager is not None:
-            await self.state.sync(self._other_replicas, self.averager, self.lane)
+            await self.state.sync(self._other_replicas, self.averager, self.lane, self._behind_the_swarm)
             self.last_step = self.state.step
             for _ in range(CATCH_UP_SYNCS):
                 # the swarm trains on while a state downloads: a replica that joins a fast one takes it again
@@ -513,6 +513,10 @@ class StageNode(Node):
 
     async def _swarm_step(self) -> int:
         return (await self._read_swarm()).step_estimate(exclude=self.peer_id)
+
+    async def _behind_the_swarm(self) -> bool:
+        """Whether this replica's state is older than the swarm's step (so a failed download is worth retrying)."""
+        return self.state.step < await self._swarm_step()
 
     async def _other_replicas(self) -> list[str]:
         view = await self._read_swarm()
