@@ -235,7 +235,7 @@ class VerificationConfig(_Strict):
 
         values = self.model_dump(
             exclude={"beta_act", "beta_grad", "floors", "fence_spaces", "replacement", "gradient_replacement"}
-            | {"opposed_from_boundary"}
+            | {"opposed_from_boundary"}  # it decides `metrics` below
             | AUDIT_FIELDS
         )
         values["fence_spaces"] = {**DEFAULT_FENCE_SPACES, **self.fence_spaces}

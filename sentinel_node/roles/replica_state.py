@@ -206,18 +206,17 @@ class ReplicaState:
                 if await self._take_from(peer, averager, lane):
                     return
             attempt += 1
-            if attempt >= STATE_DOWNLOAD_ROUNDS:
-                if still_needed is None or not await still_needed():
-                    break
-                if time.monotonic() - began + pause > patience_s:
-                    break
-                logger.warning(
-                    f"stage {self.stage}: no live replica ({', '.join(dict.fromkeys(peers))}) gave a usable state "
-                    f"yet, and this one's (step {self.step}) is behind the swarm's; asking again in {pause:.0f} s"
-                )
+            if attempt < STATE_DOWNLOAD_ROUNDS:
+                await asyncio.sleep(pause)
+                continue
+            if still_needed is None or time.monotonic() - began + pause > patience_s or not await still_needed():
+                break
+            logger.warning(
+                f"stage {self.stage}: no live replica ({', '.join(dict.fromkeys(peers))}) gave a usable state "
+                f"yet, and this one's (step {self.step}) is behind the swarm's; asking again in {pause:.0f} s"
+            )
             await asyncio.sleep(pause)
-            if attempt >= STATE_DOWNLOAD_ROUNDS:
-                pause = min(2 * pause, STATE_SYNC_MAX_PAUSE_S)
+            pause = min(2 * pause, STATE_SYNC_MAX_PAUSE_S)
         if self.resumed_from is None:
             raise NodeError(
                 f"stage {self.stage}: no live replica ({', '.join(dict.fromkeys(attempted))}) gave a usable state "
