@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from types import SimpleNamespace
 
+import pytest
 from click.testing import CliRunner
+from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.matchmaking import MatchmakingException
 
 from sentinel_node.cli import main
 from sentinel_node.config import ModelConfig, PipelineConfig
 from sentinel_node.pipeline import StageWorker
-from sentinel_node.roles.averaging import OneLineRoundFailures
+from sentinel_node.roles.averaging import ExcludingAverager, OneLineRoundFailures
 from sentinel_node.roles.replica_state import ReplicaState
 from sentinel_node.sim.mesh import StepLog
 from sentinel_node.sim.report import step_line
@@ -70,3 +73,27 @@ def test_a_replica_alone_on_its_stage_says_it_starts_fresh_not_at_step_minus_one
         asyncio.run(state.sync(nobody, averager=None, lane=None))
     text = caplog.text
     assert "no other live replica; starting fresh (no step applied yet)" in text and "-1" not in text
+
+
+def test_an_averager_stopped_during_a_round_ends_the_round_without_a_traceback():
+    """A stage stopped while an all-reduce group forms (its future still pending) or runs (the future holds the
+    runner): each is ended, where hivemind 1.1.12's own shutdown raises AttributeError in the averager's thread."""
+
+    class Runner:
+        cancelled = None
+
+        def finalize(self, *, cancel: bool = False) -> None:
+            self.cancelled = cancel
+
+    async def stop(shutdown) -> tuple:
+        loop = asyncio.get_running_loop()
+        forming, running, runner = loop.create_future(), loop.create_future(), Runner()
+        running.set_result(runner)
+        averager = SimpleNamespace(client_mode=True, _running_groups={b"forming": forming, b"running": running})
+        await shutdown(averager, 1.0)
+        return forming, runner
+
+    forming, runner = asyncio.run(stop(ExcludingAverager._shutdown))
+    assert forming.cancelled() and runner.cancelled is True
+    with pytest.raises(AttributeError, match="finalize"):
+        asyncio.run(stop(DecentralizedAverager._shutdown))

@@ -81,6 +81,19 @@ class ExcludingAverager(DecentralizedAverager):
     async def _set_excluded(self, peers: list[str]) -> None:
         self._excluded = frozenset(peers)
 
+    async def _shutdown(self, timeout: float | None) -> None:
+        """Stops every all-reduce round still running. hivemind 1.1.12's own calls ``finalize`` on the futures that
+        hold each registered group's runner (an AttributeError traceback in the log of a stage stopped during a
+        round: the netns swarm's stage0-1, 2026-12-04): here a runner is finalized, a group still forming
+        cancelled."""
+        if not self.client_mode:
+            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+        for registered in list(self._running_groups.values()):
+            if registered.done() and not registered.cancelled() and registered.exception() is None:
+                registered.result().finalize(cancel=True)
+            else:
+                registered.cancel()
+
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
