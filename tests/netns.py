@@ -1,6 +1,11 @@
 """Hosts of a test's own on one machine: a network namespace per node, joined by veth pairs to a bridge in a hub
-namespace, with private addresses of the test's own (10.213.0.0/24), and hosts behind a NAT router (10.214.0.0/24,
-masqueraded to the router's hub address, no inbound port).
+namespace, with addresses of the test's own (the hub's net, 11.213.0.0/24), and hosts behind a NAT router on a
+private net (10.214.0.0/24, masqueraded to the router's hub address, no inbound port).
+
+The hub's net stands for the internet, so its addresses must look public to libp2p: auto-relay builds a NATed
+node's circuit addresses from its relay's public addresses only (go-libp2p's ``cleanupAddressSet`` drops private
+ones), so on a private hub no circuit address can appear. The range exists only inside the namespaces below: the
+hub has no link to the root namespace, so no packet to or from it can leave them.
 
 Nothing here touches the root namespace's interfaces, routes or firewall: every link, bridge and rule lives inside a
 namespace this module created, and :meth:`Network.close` deletes the namespaces (which removes their links and
@@ -20,7 +25,7 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-HUB_NET = "10.213.0"
+HUB_NET = "11.213.0"
 HIDDEN_NET = "10.214.0"
 ROUTER_HUB_IP = f"{HUB_NET}.254"
 ROUTER_HIDDEN_IP = f"{HIDDEN_NET}.1"

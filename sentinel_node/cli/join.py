@@ -222,8 +222,8 @@ def _role_settings(role: str, opts: dict) -> dict:
 @click.option(
     "--use-auto-relay",
     is_flag=True,
-    help="Behind NAT with no open port: find relays and be reachable through them (slower; announced as relayed, "
-    "so trainers prefer direct peers).",
+    help="Behind NAT with no open port: reserve a slot at the --initial-peers' relays and be reachable through them "
+    "(slower; announced as relayed, so trainers prefer direct peers).",
 )
 @click.option(
     "--metrics-port",

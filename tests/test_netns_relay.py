@@ -1,0 +1,132 @@
+"""A node behind a NAT that may open connections to its bootstrap alone (a strict firewall) is reached through the
+bootstrap's relay: its daemon reserves a slot there at start, announces a ``/p2p-circuit`` address, and a peer on
+the hub that cannot dial it calls its transport through the circuit (roles.relays says how it is set up).
+
+Three real DHT nodes started as the roles start them (tests/relay_peer.py), each with its p2pd, in namespaces of
+its own (tests/netns.py): the bootstrap on the hub, the hidden node behind the NAT router, a caller on the hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import netns
+import pytest
+
+from sentinel_node.processes import descendants
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+PEER = Path(__file__).with_name("relay_peer.py")
+CIRCUIT_WITHIN_S = 60.0  # measured: the circuit address is there in the daemon's first answer (static relays)
+ANSWER_WITHIN_S = 90.0
+
+
+class Peer:
+    """A relay_peer.py process in a host's namespace; its JSON lines gathered as they come."""
+
+    def __init__(self, host: netns.Host, *args: str) -> None:
+        self.lines: list[dict] = []
+        self.process = subprocess.Popen(
+            [*host.prefix, sys.executable, str(PEER), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            if line.startswith("{"):
+                self.lines.append(json.loads(line))
+
+    def wait_for(self, what, within: float) -> dict | None:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline and self.process.poll() is None:
+            found = next((line for line in list(self.lines) if what(line)), None)
+            if found is not None:
+                return found
+            time.sleep(0.5)
+        return next((line for line in list(self.lines) if what(line)), None)
+
+    def daemon_arguments(self) -> list[str]:
+        """The command line of the p2pd under this peer."""
+        for pid in descendants(self.process.pid):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode().split("\0")
+            if Path(argv[0]).name == "p2pd":
+                return argv
+        return []
+
+    def stop(self) -> None:
+        """Closes its stdin (it stops its DHT and p2pd), then its process group if it lingers."""
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+
+
+def test_a_node_behind_a_nat_is_called_through_its_bootstraps_relay():
+    why = netns.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    with netns.Network() as network:
+        hub = network.add("bootstrap")
+        hidden_host = network.add("hidden", hidden=True, dials=[hub.ip])
+        caller_host = network.add("caller")
+        peers: list[Peer] = []
+        try:
+            bootstrap = Peer(hub, "bootstrap", hub.ip)
+            peers.append(bootstrap)
+            first = bootstrap.wait_for(lambda line: "peer_id" in line, 60)
+            assert first is not None, "the bootstrap did not start"
+            boot_maddr = next(m for m in first["maddrs"] if hub.ip in m)
+            boot_id = first["peer_id"]
+
+            hidden = Peer(hidden_host, "hidden", hidden_host.ip, boot_maddr)
+            peers.append(hidden)
+            started = hidden.wait_for(lambda line: "peer_id" in line, 60)
+            assert started is not None, "the hidden node did not start"
+            hidden_id = started["peer_id"]
+            circuit = f"/ip4/{hub.ip}/tcp/31337/p2p/{boot_id}/p2p-circuit/p2p/{hidden_id}"
+            announced = hidden.wait_for(lambda line: circuit in line["maddrs"], CIRCUIT_WITHIN_S)
+            assert announced is not None, (circuit, hidden.lines[-1:])
+
+            caller = Peer(caller_host, "caller", caller_host.ip, boot_maddr, hidden_id)
+            peers.append(caller)
+            answer = caller.wait_for(lambda line: line.get("answered"), ANSWER_WITHIN_S)
+            assert answer is not None, caller.lines[-3:]
+            # the check ran on the hidden node (it tried the closed port it was given) and came back
+            assert len(answer["failed"]) == 1 and answer["failed"][0].startswith("/ip4/127.0.0.1/tcp/9: ")
+            # the caller reaches the hidden node only through the bootstrap's circuit, and the hidden node sees the
+            # caller only through it (it may not dial the caller itself)
+            via = answer["connections"][hidden_id]
+            assert via and all(f"/p2p/{boot_id}/p2p-circuit" in a for a in via), via
+            caller_id = next(line["peer_id"] for line in caller.lines if "peer_id" in line)
+            seen = hidden.wait_for(lambda line: caller_id in line.get("connections", {}), 10)
+            assert seen is not None and all("/p2p-circuit" in a for a in seen["connections"][caller_id]), seen
+            assert seen["connections"][boot_id] == [f"/ip4/{hub.ip}/tcp/31337"]
+
+            # what set it up: static relays and forced reachability on either side (roles.relays)
+            hidden_argv = hidden.daemon_arguments()
+            assert "-autoRelay=1" in hidden_argv and "-relayDiscovery=0" in hidden_argv, hidden_argv
+            assert f"-trustedRelays={boot_maddr}" in hidden_argv and "-forceReachabilityPrivate=1" in hidden_argv
+            boot_argv = bootstrap.daemon_arguments()
+            assert "-forceReachabilityPublic=1" in boot_argv and "-autoRelay=0" in boot_argv, boot_argv
+        finally:
+            for peer in reversed(peers):
+                peer.stop()
+    assert not network.leftovers()
