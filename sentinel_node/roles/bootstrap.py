@@ -12,7 +12,6 @@ port (``tcp/0``) comes back alone, so it warns.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 from collections.abc import Callable
 
@@ -75,6 +74,5 @@ def run_bootstrap(
     warning = random_port_warning(options)
     if warning is not None:
         logger.warning(warning)
-    # a bootstrap is public by its job: it relays for the swarm's NATed nodes (roles.relays)
-    with started_node(dataclasses.replace(options, relay_service=True), stop_event) as context:
+    with started_node(options, stop_event) as context:
         asyncio.run(BootstrapNode(context).serve(on_ready))

@@ -39,7 +39,7 @@ from dht import (
 )
 from sentinel_node.config import Config
 from sentinel_node.processes import alive, command_name, descendants
-from sentinel_node.roles.relays import p2p_options, relay_use
+from sentinel_node.roles.relays import p2p_options
 
 logger = get_logger(__name__)
 
@@ -73,7 +73,6 @@ class JoinOptions:
     config_from_swarm: bool = False  # read from the swarm's DHT: nothing to check it against
     use_relay: bool = True  # may reach peers that are themselves reachable only through a relay
     use_auto_relay: bool = False  # behind NAT: reserve a slot at the initial peers and be reachable through them
-    relay_service: bool = False  # a public node (a bootstrap): relays for NATed peers from its start (roles.relays)
     certificate_path: str | None = None  # the organiser's role certificate (trainers, verifiers)
 
 
@@ -155,13 +154,12 @@ def start_dht(
     timeout: float = 60.0,
     use_relay: bool = True,
     use_auto_relay: bool = False,
-    relay_service: bool = False,
 ) -> hivemind.DHT:
     """A running DHT node of the swarm (its libp2p identity is ``identity`` when that has a file), validating every
     record by the swarm's rules and capping every key's subkeys (dht.capacity); NodeStartError within ``timeout``
     seconds if it cannot start or reach ``initial_peers``. ``config=None`` is for a client-mode reader that does
-    not know the swarm's config yet (signature checks only). ``use_auto_relay`` (behind a NAT) and
-    ``relay_service`` (a public bootstrap) set up libp2p relays as roles.relays says."""
+    not know the swarm's config yet (signature checks only). ``use_auto_relay`` (behind a NAT): reachable through
+    the initial peers' relays, as roles.relays says."""
     initial_peers, announce_maddrs, host_maddrs = list(initial_peers), list(announce_maddrs), list(host_maddrs)
     rules = config.swarm_rules() if config is not None else None
     dht = hivemind.DHT(
@@ -173,7 +171,7 @@ def start_dht(
         announce_maddrs=announce_maddrs or None,
         identity_path=str(identity.path) if identity.path is not None else None,
         check_if_identity_free=check_identity,
-        **p2p_options(relay_use(use_auto_relay, relay_service), initial_peers, use_relay),
+        **p2p_options(use_auto_relay, initial_peers, use_relay),
     )
     try:
         dht.run_in_background(await_ready=True, timeout=timeout)

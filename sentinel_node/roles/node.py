@@ -110,7 +110,6 @@ def started_node(options: JoinOptions, stop_event: threading.Event | None = None
             timeout=options.start_timeout,
             use_relay=options.use_relay,
             use_auto_relay=options.use_auto_relay,
-            relay_service=options.relay_service,
         )
         p2pd = p2pd_of(dht)
         try:
