@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
 
@@ -167,11 +167,13 @@ class VerificationConfig(_Strict):
         "first stage's output, close to the embedding table, holds honest rows that point many ways",
     )
     warmup: int = Field(150, ge=1, description="accepted tensors per boundary before a moderate crossing is flagged")
-    warmup_blatant_after: int = Field(
+    warmup_fenced_after: int = Field(
         32,
         ge=0,
-        description="scores a metric's fence must hold (at most `window`) before a blatant crossing of it is "
-        "flagged in warm-up, where a majority of senders is the reference (0: never)",
+        # the name of this setting until 2026-12-04, when only blatant crossings were flagged in warm-up
+        validation_alias=AliasChoices("warmup_fenced_after", "warmup_blatant_after"),
+        description="scores a metric's fence must hold (at most `window`) before a crossing of it is flagged in "
+        "warm-up, where a majority of senders is the reference (0: never)",
     )
     strike_limit: int = Field(3, ge=1, description="S: strikes at which a sender is banned")
     forgive_after: int = Field(100, ge=1, description="F: clean checks that forgive one strike")

@@ -1157,9 +1157,9 @@ def test_an_honest_newcomer_passes_probation_and_a_rejoining_attacker_is_banned_
 def test_a_blatant_attack_starting_in_warm_up_is_flagged_there_where_peers_are_the_reference(streams, blatant_after):
     # the sweep's start_blatant: noise from a step inside warm-up was learned by the baseline and the fences, and
     # the ban came only after warm-up, 1-2% of validation loss later. The peer test is off here (it can catch such
-    # noise too, once its pool has filled): the fences alone, with warmup_blatant_after 0 as the control
+    # noise too, once its pool has filled): the fences alone, with warmup_fenced_after 0 as the control
     warmup, start = STREAM_STEPS - 10, 60
-    overrides = dict(warmup=warmup, warmup_blatant_after=blatant_after, peer_limit=0.0)
+    overrides = dict(warmup=warmup, warmup_fenced_after=blatant_after, peer_limit=0.0)
     monitor = BoundaryMonitor(settings("activation", **overrides), HIDDEN, expected_shape=SHAPE)
     found = []
     for i, tensor in enumerate(streams.activations):
@@ -1179,10 +1179,49 @@ def test_a_blatant_attack_starting_in_warm_up_is_flagged_there_where_peers_are_t
 
 def test_a_lone_sender_is_judged_by_no_fence_in_warm_up():
     monitor_settings = settings(warmup=1000)
-    assert monitor_settings.warmup_blatant_after > 0
+    assert monitor_settings.warmup_fenced_after > 0
     monitor = BoundaryMonitor(monitor_settings, HIDDEN, expected_shape=SHAPE)
     generator = torch.Generator().manual_seed(0)
     honest = [torch.randn(SHAPE, generator=generator) for _ in range(60)]
     # a lone sender's EMA is still forming: even noise a hundred times larger is not flagged before warm-up ends
     verdicts = [monitor.check(t * (100.0 if i >= 50 else 1.0), "alone", content=i) for i, t in enumerate(honest)]
     assert not any(v.flagged for v in verdicts)
+
+
+@pytest.mark.parametrize("fenced_after", [32, 0], ids=["fenced", "unfenced"])
+def test_a_moderate_attack_starting_in_warm_up_is_flagged_there_where_peers_are_the_reference(streams, fenced_after):
+    # the sweep's start_blatant at a deep boundary early in training: its noise sat 1-2 times over the fences, not
+    # the 4 times of a blatant crossing, and was accepted through warm-up until audits banned the sender (+1.4-2.1%
+    # of validation loss). With a majority as the reference, a fence that holds `warmup_fenced_after` scores
+    # judges in warm-up too. The peer test is off, so that the fences alone are measured
+    warmup, start = STREAM_STEPS - 10, 60
+    overrides = dict(warmup=warmup, warmup_fenced_after=fenced_after, peer_limit=0.0)
+    monitor = BoundaryMonitor(settings("activation", **overrides), HIDDEN, expected_shape=SHAPE)
+    halve = attacks.make_attack("scale", sigma=0.5)
+    found = []
+    for i, tensor in enumerate(streams.activations):
+        sender = SENDERS[i % 4]
+        if sender == "d" and i >= start:
+            tensor = halve(tensor, i, {})
+        found.append((i, sender, monitor.check(tensor, sender), monitor.ledger.is_banned(sender)))
+    attacked = [(v, banned) for i, s, v, banned in found if s == "d" and i >= start][:30]
+    assert all(v.warming_up for v, _ in attacked)
+    assert not [(i, s, v.reason) for i, s, v, _ in found if s != "d" and v.flagged]
+    if fenced_after:
+        first = attacked[0][0]
+        assert first.flagged and not first.blatant and 1 < first.severity < 4, (first.scores, first.thresholds)
+        assert [banned for _, banned in attacked[:3]] == [False, False, True]  # three strikes of one
+    else:
+        assert not any(v.flagged for v, _ in attacked)
+
+
+def test_a_crossing_of_the_opposed_rows_alone_weighs_one_strike_however_far(streams):
+    """Honest `opposed` shares are zeros with rare content-driven spikes the fence cannot learn (an honest replica's
+    share at a deep boundary, five times over the fence, with a second spike two steps later, banned it in the
+    sweep): so a crossing of it alone is never blatant, and costs one strike, whatever its severity."""
+    monitor = warmed_monitor(streams)
+    tensor = attacks.row_corruption(streams.activations[WARMUP], 0, {}, fraction=0.1)
+    verdict = monitor.check(tensor, "spiky", content=0)
+    assert verdict.flagged and verdict.over == ("opposed",), (verdict.over, verdict.scores, verdict.thresholds)
+    assert verdict.severity >= monitor.settings.blatant_severity  # far over its fence...
+    assert not verdict.blatant and monitor.ledger.senders["spiky"].strikes == 1  # ...and one strike

@@ -22,7 +22,7 @@ from enum import Enum
 import torch
 
 from sentinel_node.verification.baseline import EmaBaseline
-from sentinel_node.verification.metrics import FENCE_ONLY, METRICS
+from sentinel_node.verification.metrics import FENCE_ONLY, METRICS, SPIKY
 from sentinel_node.verification.peers import PeerAlarm, PeerEvidence
 from sentinel_node.verification.profile import Profile, Profiler, Scan
 from sentinel_node.verification.reference import PeerReference
@@ -50,7 +50,7 @@ class MonitorSettings:
     floors: dict[str, float]
     row_clip: float
     warmup: int
-    warmup_blatant_after: int
+    warmup_fenced_after: int
     strike_limit: int
     forgive_after: int
     blatant_severity: float
@@ -266,8 +266,11 @@ class BoundaryMonitor:
         severity = max(severities.values())
         alarm = self.peers.observe(sender, scores)
         evidence = dict(scores=scores, limits=limits, severity=severity)
-        over = self._over(scores, limits, severities, judged_by_peers=median is not None)
-        blatant = severity >= self.settings.blatant_severity
+        over = self._over(scores, limits, judged_by_peers=median is not None)
+        blatant = (
+            max((v for name, v in severities.items() if name not in SPIKY), default=0.0)
+            >= self.settings.blatant_severity
+        )
         shared = self.shift.observe(sender, over, blatant=blatant or copied is not None)
         if copied is not None:
             return self._flag(tensor, sender, VerdictKind.REPLAY, blatant=True, replay=copied, **evidence)
@@ -291,20 +294,20 @@ class BoundaryMonitor:
         verdict.over, verdict.shared = over, bool(over)
         return verdict
 
-    def _over(
-        self, scores: dict[str, float], limits: dict[str, float], severities: dict[str, float], judged_by_peers: bool
-    ) -> tuple[str, ...]:
-        """The metrics whose fence the scores cross. In warm-up none, except blatant crossings once the fences have
-        `warmup_blatant_after` scores and a majority of senders is the reference: an attack that starts in warm-up
-        would otherwise be learned by the baseline and the fences before any could flag it (the sweep's
-        `start_blatant`). A lone sender's EMA is still forming in warm-up, so its tensors wait for the whole of it."""
+    def _over(self, scores: dict[str, float], limits: dict[str, float], judged_by_peers: bool) -> tuple[str, ...]:
+        """The metrics whose fence the scores cross. In warm-up, only those whose fence holds `warmup_fenced_after`
+        scores, and only where a majority of senders is the reference: that reference needs no warm-up, and an
+        attack that starts in warm-up would otherwise be learned by the fences before any could flag it (the
+        sweep's `start_blatant`: noise at a deep boundary early in training sits 1-2 times over its fence, not the
+        4 times of a blatant crossing, and was accepted until the audits banned it). A lone sender's EMA is still
+        forming in warm-up, so its tensors wait for the whole of it."""
         if not self.warming_up:
             return tuple(name for name in self.metrics if scores[name] > limits[name])
-        after, cut = self.settings.warmup_blatant_after, self.settings.blatant_severity
+        after = self.settings.warmup_fenced_after
         if not judged_by_peers or not after:
             return ()
         return tuple(
-            name for name in self.metrics if len(self.thresholds[name].scores) >= after and severities[name] >= cut
+            name for name in self.metrics if len(self.thresholds[name].scores) >= after and scores[name] > limits[name]
         )
 
     def _replayed(self, tensor: torch.Tensor, sender: str, content: int | None) -> ReplayMatch | None:
