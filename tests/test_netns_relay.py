@@ -36,14 +36,15 @@ RELAY_SERVICE_AFTER_S = 30.0  # the bootstrap's AutoNAT probes 15 s after it sta
 class Peer:
     """A relay_peer.py process in a host's namespace; its JSON lines gathered as they come."""
 
-    def __init__(self, host: netns.Host, *args: str) -> None:
+    def __init__(self, host: netns.Host, log: Path, *args: str) -> None:
         self.lines: list[dict] = []
         self.started = time.monotonic()
+        self.log = log
         self.process = subprocess.Popen(
             [*host.prefix, sys.executable, str(PEER), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=log.open("w"),
             text=True,
             start_new_session=True,
         )
@@ -63,6 +64,10 @@ class Peer:
                 return found
             time.sleep(0.5)
         return next((line for line in list(self.lines) if what(line)), None)
+
+    def said(self) -> str:
+        """What it logged (the last lines): what an assertion about it says when it fails."""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-15:])
 
     def daemon_arguments(self) -> list[str]:
         """The command line of the p2pd under this peer."""
@@ -84,7 +89,7 @@ class Peer:
                 self.process.wait(10)
 
 
-def test_a_node_behind_a_nat_is_called_through_its_bootstraps_relay():
+def test_a_node_behind_a_nat_is_called_through_its_bootstraps_relay(tmp_path):
     why = netns.unavailable()
     if why is not None:
         pytest.skip(why)
@@ -94,31 +99,31 @@ def test_a_node_behind_a_nat_is_called_through_its_bootstraps_relay():
         caller_host = network.add("caller")
         peers: list[Peer] = []
         try:
-            bootstrap = Peer(hub, "bootstrap", hub.ip)
+            bootstrap = Peer(hub, tmp_path / "bootstrap.log", "bootstrap", hub.ip)
             peers.append(bootstrap)
             first = bootstrap.wait_for(lambda line: "peer_id" in line, 60)
-            assert first is not None, "the bootstrap did not start"
+            assert first is not None, bootstrap.said()
             boot_maddr = next(m for m in first["maddrs"] if hub.ip in m)
             boot_id = first["peer_id"]
 
-            caller = Peer(caller_host, "caller", caller_host.ip, boot_maddr)
+            caller = Peer(caller_host, tmp_path / "caller.log", "caller", caller_host.ip, boot_maddr)
             peers.append(caller)
-            assert caller.wait_for(lambda line: "peer_id" in line, 60) is not None, "the caller did not start"
+            assert caller.wait_for(lambda line: "peer_id" in line, 60) is not None, caller.said()
             time.sleep(max(0.0, RELAY_SERVICE_AFTER_S - (time.monotonic() - bootstrap.started)))
 
-            hidden = Peer(hidden_host, "hidden", hidden_host.ip, boot_maddr)
+            hidden = Peer(hidden_host, tmp_path / "hidden.log", "hidden", hidden_host.ip, boot_maddr)
             peers.append(hidden)
             started = hidden.wait_for(lambda line: "peer_id" in line, 60)
-            assert started is not None, "the hidden node did not start"
+            assert started is not None, hidden.said()
             hidden_id = started["peer_id"]
             circuit = f"/ip4/{hub.ip}/tcp/31337/p2p/{boot_id}/p2p-circuit/p2p/{hidden_id}"
             announced = hidden.wait_for(lambda line: circuit in line["maddrs"], CIRCUIT_WITHIN_S)
-            assert announced is not None, (circuit, hidden.lines[-1:])
+            assert announced is not None, (circuit, hidden.lines[-1:], hidden.said())
 
             caller.process.stdin.write(hidden_id + "\n")
             caller.process.stdin.flush()
             answer = caller.wait_for(lambda line: line.get("answered"), ANSWER_WITHIN_S)
-            assert answer is not None, caller.lines[-3:]
+            assert answer is not None, (caller.lines[-3:], caller.said(), hidden.said())
             # the check ran on the hidden node (it tried the closed port it was given) and came back
             assert len(answer["failed"]) == 1 and answer["failed"][0].startswith("/ip4/127.0.0.1/tcp/9: ")
             # the caller reaches the hidden node only through the bootstrap's circuit, and the hidden node sees the
