@@ -59,7 +59,7 @@ def swarm(tmp_path_factory) -> Iterator[AuditedSwarm]:
     verifiers = [create_identity_file(local.identity(name)).peer_id for name in VERIFIERS]
     config = load_config(DEMO_CONFIG_PATH).with_overrides(
         pipeline={"n_stages": 2},
-        verification={"warmup": 10**6, "audit_rate": 0.5},
+        verification={"warmup": 10**6, "warmup_fenced_after": 0, "audit_rate": 0.5},
         swarm={"trusted_verifiers": verifiers, "ban_quorum": 1, "open_verifiers": False, "open_trainers": True},
     )
     (workdir / "swarm.yaml").write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))

@@ -7,7 +7,9 @@ every audit recomputes a stage's work with the replicas' shared reference parame
 
 from __future__ import annotations
 
+import asyncio
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,7 +31,9 @@ from sentinel_node.pipeline import StageWorker
 from sentinel_node.pipeline.audits import AuditJudge, Recomputation, assemble
 from sentinel_node.pipeline.recompute import NoReference
 from sentinel_node.pipeline.relay_cache import AuditDraw, Crossing, RelayCache
+from sentinel_node.roles import audits as role_audits
 from sentinel_node.sim import AttackPlan, Mesh
+from sentinel_node.transport import HopDeadlineExceeded, HopRefused, HopUnavailable
 from sentinel_node.verification import SenderStrikes
 from sentinel_node.verification.audit import (
     AuditLedger,
@@ -374,11 +378,11 @@ def corpus():
 
 
 def mesh_config(**verification):
-    # statistics that never leave their warm-up: whatever is caught here, audits caught
+    # statistics that never leave their warm-up, and judge no crossing in it: whatever is caught here, audits caught
     return load_config().with_overrides(
         model={"hidden_size": 32, "intermediate_size": 86, "n_layers": 3},
         pipeline={"n_stages": 3},
-        verification={"warmup": 10**6, "audit_rate": 0.5, **verification},
+        verification={"warmup": 10**6, "warmup_fenced_after": 0, "audit_rate": 0.5, **verification},
         sim={"steps": 24, "attack_start": 10, "replicas": 4, "eval_every": 12, "eval_batches": 1},
     )
 
@@ -455,3 +459,31 @@ def test_swarm_strikes_shows_audits_and_the_evidence_of_a_failed_one():
     assert "5/1" in text and "FAILED AUDITS" in text
     assert "s7:m2:a0" in text and auditor in text and "mismatch gradient" in text and "grad_input=bbbbbbbbbbbb" in text
     assert to_json(view, config, "strikes")["strikes"][accused][0]["audit"]["microbatch"] == "s7:m2:a0"
+
+
+@pytest.mark.parametrize(
+    ("error", "counted"),
+    [
+        (HopUnavailable("failed to dial: all dials failed"), False),
+        (HopDeadlineExceeded("no answer within 5.00 s"), False),
+        (HopRefused("not on this replica's route"), True),
+    ],
+    ids=["unreachable", "late", "refused"],
+)
+def test_an_auditor_that_cannot_be_reached_is_not_counted_as_refusing(monkeypatch, error, counted):
+    """A killed replica stays in a verifier's audit draw until its announcement expires: the dials that fail meanwhile
+    are no refusal of its own (a swarm test saw it struck for them); a refusal it answers with still counts."""
+    refused: list[str] = []
+
+    async def call_peer(*_args, **_kwargs):
+        raise error
+
+    monkeypatch.setattr(role_audits, "call_peer", call_peer)
+    audits = object.__new__(role_audits.VerifierAudits)
+    audits.node = SimpleNamespace(p2p=None, transport=None)
+    audits.config = SimpleNamespace(audit_timeout=10.0)
+    audits.judge = SimpleNamespace(refused=lambda peer: refused.append(peer) or False)
+    case = SimpleNamespace(inputs=torch.zeros(1), grad_output=None, stage=1, targets=None, microbatch="m", step=3)
+    found, rest = asyncio.run(audits._recompute(case, ["auditor"], None))
+    assert found is None and rest == []
+    assert refused == (["auditor"] if counted else [])

@@ -43,7 +43,16 @@ from sentinel_node.roles.wire import (
     RecomputeReply,
     RecomputeRequest,
 )
-from sentinel_node.transport import Answer, Hop, HopError, HopRefused, Incoming, TensorServer, call_peer
+from sentinel_node.transport import (
+    Answer,
+    Hop,
+    HopError,
+    HopRefused,
+    HopUnavailable,
+    Incoming,
+    TensorServer,
+    call_peer,
+)
 from sentinel_node.verification.audit import AuditLedger, AuditOutcome, Drift, Work
 
 if TYPE_CHECKING:
@@ -383,7 +392,10 @@ class VerifierAudits:
                 )
             except HopError as e:
                 logger.info(f"auditor {peer} did not recompute microbatch {case.microbatch}: {e.code}: {e.detail}")
-                if self.judge.refused(peer):
+                # a peer that cannot be reached, or answers too late (HopDeadlineExceeded is one), is gone or busy,
+                # not refusing: a replica killed in a swarm test stayed in the audit draw until its announcement
+                # expired, and was struck for the dials that failed
+                if not isinstance(e, HopUnavailable) and self.judge.refused(peer):
                     self._publish_strike(peer, case, "auditor refusals")
                 continue
             meta = reply.metadata
