@@ -99,5 +99,5 @@ FENCE_ONLY = ("opposed",)
 # statistics of the rows' shared direction, which only activations have (docs/decisions.md)
 ACTIVATION_ONLY = ("opposed",)
 # never blatant: honest scores are zeros with rare content-driven spikes the fence cannot learn (an honest replica's
-# share of 0.08 at a deep boundary, five times over: docs/decisions.md), so a crossing weighs one strike however far
+# share at a deep boundary 5.3 times over its fence: docs/decisions.md), so a crossing weighs one strike however far
 SPIKY = ("opposed",)
