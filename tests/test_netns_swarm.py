@@ -227,9 +227,9 @@ def test_every_view_converges_with_nobody_honest_excluded_or_struck(swarm):
     views = swarm.views()
     assert set(views) == {"stage0-0", "stage0-1", "stage1-0", "verifier0", "verifier1", "trainer"}
     assert all(view == [] for view in views.values()), (views, verdicts_logged(swarm))
-    # the strike records every running node reads come to be the same, and none holds a strike (audits publish
-    # records too; one published as training ends reaches each view within a refresh or two, and a status file
-    # within a period after that). The trainer has stopped: its last status may lack a record published after it
+    # the strike records every running node reads come to be the same, none with more than one strike (audits
+    # publish records too; one published as training ends reaches each view within a refresh or two, and a status
+    # file within a period after that). The trainer has stopped: its last status may lack a record published after it
     # (a passed audit's, 2026-12-03), never hold one the others do not.
     running = [name for name in views if swarm.node(name).alive]
     assert "trainer" not in running and len(running) == len(views) - 1, running
@@ -242,8 +242,14 @@ def test_every_view_converges_with_nobody_honest_excluded_or_struck(swarm):
     assert len({repr(sorted(strikes[name].items())) for name in running}) == 1, strikes
     seen = strikes[running[0]]
     assert all(set(by) <= set(seen.get(accused, {})) for accused, by in strikes["trainer"].items()), strikes
-    assert all(n == 0 for s in strikes.values() for by in s.values() for n in by.values()), strikes
-    assert result.honest_excluded == [] and result.honest_peers_with_strikes == {}
+    # one strike at most: stage 1's only replica is judged against its own EMA, and an honest moderate crossing of
+    # it costs one strike, forgiven after `forgive_after` clean checks (one run in about ten here: a gradient's
+    # wasserstein 0.161 over its fence of 0.151, 2026-12-04; the full profile's honest run: 0.65 flags per 1,000
+    # checks). What a partition would break (stale parameters served after a heal, a view that never rejoins)
+    # gives a flag on every tensor, or an exclusion
+    assert all(n <= 1 for s in strikes.values() for by in s.values() for n in by.values()), strikes
+    assert result.honest_excluded == []
+    assert all(n <= 1 for by in result.honest_peers_with_strikes.values() for n in by.values()), result
     assert result.verifier_checks > 0
 
 
