@@ -23,7 +23,7 @@ from pathlib import Path
 import netns
 import pytest
 
-from sentinel_node.processes import descendants
+from sentinel_node.processes import command_name, descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -71,12 +71,8 @@ class Peer:
 
     def daemon_arguments(self) -> list[str]:
         """The command line of the p2pd under this peer."""
-        for pid in descendants(self.process.pid):
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().decode().split("\0")
-            if Path(argv[0]).name == "p2pd":
-                return argv
-        return []
+        daemons = [pid for pid in descendants(self.process.pid) if command_name(pid) == "p2pd"]
+        return Path(f"/proc/{daemons[0]}/cmdline").read_text().split("\0") if daemons else []
 
     def stop(self) -> None:
         """Closes its stdin (it stops its DHT and p2pd), then its process group if it lingers."""

@@ -35,8 +35,8 @@ from hivemind.utils import get_logger
 
 logger = get_logger(__name__)
 
-_installed = threading.Lock()
-_original_process_args = None
+_install_lock = threading.Lock()
+_installed = False
 
 
 def p2p_options(use_auto_relay: bool, initial_peers: Sequence[str], use_relay: bool = True) -> dict:
@@ -54,9 +54,9 @@ def install_static_relays() -> None:
     """Makes hivemind start p2pd with ``-relayDiscovery=0`` whenever it passes both ``-autoRelay`` and
     ``-trustedRelays`` (idempotent). hivemind builds p2pd's command line in ``P2P._make_process_args``; the DHT's
     process is forked from this one, so it inherits the change."""
-    global _original_process_args
-    with _installed:
-        if _original_process_args is not None:
+    global _installed
+    with _install_lock:
+        if _installed:
             return
         original = getattr(P2P, "_make_process_args", None)
         if not callable(original):
@@ -68,5 +68,5 @@ def install_static_relays() -> None:
                 kwargs["relayDiscovery"] = False
             return original(*args, **kwargs)
 
-        _original_process_args = original
         P2P._make_process_args = staticmethod(process_args)
+        _installed = True
