@@ -21,10 +21,10 @@ from sentinel_node.pipeline import StageWorker
 from sentinel_node.roles.compute import ComputeLane
 from sentinel_node.roles.replica_state import STATE_DOWNLOAD_ROUNDS, Behind, ReplicaState, when_behind
 from sentinel_node.roles.stage import AttackOptions
-from sentinel_node.roles.trainer import Accounting, AccountingError
+from sentinel_node.roles.trainer import Accounting, AccountingError, _dropped_sender
 from sentinel_node.roles.verifier import StrikePublisher
 from sentinel_node.roles.views import Gatekeeper, ViewKeeper, live_trainer, live_verifier, shows_others, stage_of
-from sentinel_node.transport import HopBanned, HopRefused
+from sentinel_node.transport import Hop, HopBanned, HopRefused
 from sentinel_node.verification import Verdict, VerdictKind
 
 
@@ -199,6 +199,19 @@ def test_candidates_skip_excluded_and_try_suspended_peers_last():
     alternates = [CHEAT, OUTSIDER]
     assert order_candidates(STAGE0, alternates, view(), blacklist) == [OUTSIDER, STAGE0]
     assert order_candidates(STAGE0, alternates, view(), blacklist, skip=lambda p: p == OUTSIDER) == [STAGE0]
+
+
+def test_a_dropped_activation_names_its_sender_for_the_retry():
+    """The trainer sends a microbatch whose activation a verifier dropped again around the replica that sent it:
+    the forward pass stopped at the last tainted boundary, whose sender is the stage hop before its verifier."""
+    v0, v1 = peer("A"), peer("B")
+    hops = [Hop(peer_id=STAGE0), Hop(peer_id=v0, boundary=0), Hop(peer_id=STAGE1), Hop(peer_id=v1, boundary=1)]
+    hops.append(Hop(peer_id=CHEAT))
+    assert _dropped_sender(hops, [1]) == STAGE1
+    assert _dropped_sender(hops, [0, 1]) == STAGE1  # boundary 0 replaced its tensor (ema/zero), boundary 1 dropped
+    assert _dropped_sender(hops, [0]) == STAGE0
+    assert _dropped_sender(hops, []) is None  # no verifier dropped anything: nothing to route around
+    assert _dropped_sender(hops, [5]) is None  # a boundary the route does not cross
 
 
 def test_accounting_settles_each_microbatch_exactly_once():

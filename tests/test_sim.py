@@ -65,11 +65,15 @@ def assert_learning(result: SimResult) -> None:
 
 def test_constant_activations_are_banned_and_training_goes_on(corpus):
     config = small_config()
-    result = Mesh(config, corpus, plan("constant", "activation")).run()
+    logs = []
+    result = Mesh(config, corpus, plan("constant", "activation")).run(on_step=logs.append)
     assert_attackers_banned_and_honest_spared(result, config)
     assert_learning(result)
     precision, recall = result.stats.precision_recall("activation")
     assert precision == 1.0 and recall == 1.0
+    # every dropped activation went again around its sender, as the trainer sends it: no step lost a microbatch
+    assert result.dropped > 0
+    assert sum(log.dropped for log in logs) == 0, [(log.step, log.dropped) for log in logs if log.dropped]
 
 
 def test_biased_gradients_are_banned_and_training_goes_on(corpus):

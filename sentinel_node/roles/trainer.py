@@ -5,7 +5,10 @@ Each is one nested call (see :mod:`sentinel_node.roles.stage`) on a route picked
 (:func:`peers.choose_route`: a replica per stage, a verifier per boundary, never an excluded peer, weighted by
 announced throughput); each hop carries alternates, so the peer that calls a hop retries once on another
 candidate when the first fails before answering. A microbatch whose call still fails comes back here and is
-retried on a new route that avoids the peers that failed it, up to ``max_attempts`` times.
+retried on a new route that avoids the peers that failed it, up to ``max_attempts`` times. So is one whose
+activation a verifier dropped (the route's replica that sent it is avoided): a cheater's flagged tensor then costs
+the swarm a forward pass, not the tokens. A dropped gradient is final, as the stages above it have counted the
+microbatch.
 
 Step pacing: when every microbatch of step s has come back (its backward pass is complete on every stage of its
 route), the trainer calls ``sentinel.stage.step(s)`` on every live stage replica, which applies the mean of the
@@ -13,7 +16,8 @@ gradients it accumulated; only then do step s+1's microbatches leave. The step a
 microbatch's metadata, so a replica that missed a step call applies it before serving the next step.
 
 Accounting: every training microbatch is sent once and settles exactly once as succeeded (a loss came back),
-dropped (a verifier dropped it by policy) or failed (no attempt got through); retries are counted apart.
+dropped (a verifier dropped it by policy, on its last attempt) or failed (no attempt got through); retries are
+counted apart.
 :class:`Accounting` refuses to settle a microbatch twice.
 
 Validation: every ``eval_every`` steps, fixed validation batches go through the swarm as forward-only
@@ -81,6 +85,18 @@ class TrainerOptions:
     start_step: int | None = None  # None: resume from the highest global step a trainer announced
     routing: RoutingSchedule = field(default_factory=RoutingSchedule)  # benches inject other modes
     state_dir: str | None = None  # keeps the data stream's position, so a restart reaches the swarm's step fast
+
+
+def _dropped_sender(hops: list[Hop], taint: list[int]) -> str | None:
+    """The stage replica whose activation a verifier dropped, ending a microbatch without a loss: the sender at the
+    last tainted boundary, as the forward pass stops at the boundary that dropped it (None if no hop matches)."""
+    if not taint:
+        return None
+    boundary = max(taint)
+    for i, hop in enumerate(hops):
+        if hop.boundary == boundary and i > 0:
+            return hops[i - 1].peer_id
+    return None
 
 
 def data_digest(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
@@ -446,6 +462,13 @@ class TrainerNode(Node):
                     losses = [r.metadata.loss for r in results]
                     if None in losses:
                         outcome = "dropped"
+                        dropped_by = _dropped_sender(routes[0], results[0].metadata.taint) if copies == 1 else None
+                        if dropped_by is not None and attempt + 1 < self.settings.max_attempts:
+                            # a verifier dropped an activation, so the microbatch ended there: no stage above saw
+                            # it and none below got a gradient, and sent again around its sender it counts once
+                            avoid.add(dropped_by)
+                            attempt += 1
+                            continue
                     else:
                         outcome, loss = "succeeded", float(np.mean(losses))
                         if copies > 1:

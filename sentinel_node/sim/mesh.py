@@ -30,6 +30,9 @@ from sentinel_node.verification import Verdict, content_of
 
 Target = Literal["activation", "gradient", "both"]
 
+# attempts at a microbatch whose activation a verifier dropped, as the trainer's `max_attempts` (roles.trainer)
+ATTEMPTS = 4
+
 
 @dataclass(frozen=True)
 class AttackPlan:
@@ -177,6 +180,7 @@ class Mesh:
         self._relayed: dict[int, str] = {}
         self._tainted: set[int] = set()
         self._senders: dict[int, set[str]] = {}
+        self._dropped_from: str | None = None  # the sender of the activation a verifier dropped, this attempt
         self.excluded: dict[str, tuple[int, int]] = {}
         self.rejoin = config.sim.rejoin
         self.lives: dict[str, Life] = {}  # identity -> its life, for malicious replicas once the attack starts
@@ -269,13 +273,15 @@ class Mesh:
         live = [w for w in self.workers[stage] if w.id not in self.excluded]
         return live or self.workers[stage]
 
-    def _route(self, stage: int, name: str) -> SimWorker:
-        """The replica of `stage` for microbatch `name`: the first live one in an order drawn for that microbatch
-        alone, so excluding a worker moves only its own microbatches and the clean, undefended and defended runs of
-        a benchmark keep every other choice in common (the loss curves then differ by the attack, not by chance)."""
+    def _route(self, stage: int, name: str, avoid: set[str] = frozenset()) -> SimWorker:
+        """The replica of `stage` for microbatch `name`: the first live one (not in `avoid`, when another is live)
+        in an order drawn for that microbatch alone, so excluding a worker moves only its own microbatches and the
+        clean, undefended and defended runs of a benchmark keep every other choice in common (the loss curves then
+        differ by the attack, not by chance)."""
         replicas = self.workers[stage]
         order = random.Random(f"{self.seed}:route:{stage}:{name}").sample(replicas, len(replicas))
-        return next((w for w in order if w.id not in self.excluded), order[0])
+        live = [w for w in order if w.id not in self.excluded]
+        return next((w for w in live if w.id not in avoid), live[0] if live else order[0])
 
     def _choose(self, options: list, *key: object):
         """One of `options`, drawn for `key` alone (the same in every run of this seed)."""
@@ -308,16 +314,26 @@ class Mesh:
         return verdict
 
     def _microbatch(self, step: int, name: str, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
-        self._relayed, self._tainted, self._senders = {}, set(), {}
-        loss = self._through(step, name, inputs, targets)
-        senders = {boundary: tuple(sorted(ids)) for boundary, ids in self._senders.items()}
-        self.agreement.settled(self._relayed, self._tainted, senders)
-        for quiet in self.agreement.quiet():
-            self.quiet_at.setdefault(quiet.verifier, (step, self.attack_microbatches))
-        return loss
+        """One microbatch through a route; one whose activation a verifier dropped goes again on a route that
+        avoids that activation's sender, as the trainer sends it again (``roles.trainer``, up to its attempts)."""
+        avoid: set[str] = set()
+        for attempt in range(ATTEMPTS):
+            self._relayed, self._tainted, self._senders = {}, set(), {}
+            self._dropped_from = None
+            loss = self._through(step, name if attempt == 0 else f"{name}.{attempt}", inputs, targets, avoid)
+            senders = {boundary: tuple(sorted(ids)) for boundary, ids in self._senders.items()}
+            self.agreement.settled(self._relayed, self._tainted, senders)
+            for quiet in self.agreement.quiet():
+                self.quiet_at.setdefault(quiet.verifier, (step, self.attack_microbatches))
+            if loss is not None or self._dropped_from is None:
+                return loss
+            avoid.add(self._dropped_from)
+        return None
 
-    def _through(self, step: int, name: str, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
-        route = [self._route(k, name) for k in range(self.n_stages)]
+    def _through(
+        self, step: int, name: str, inputs: torch.Tensor, targets: torch.Tensor, avoid: set[str] = frozenset()
+    ) -> float | None:
+        route = [self._route(k, name, avoid) for k in range(self.n_stages)]
         if step >= self.attack_start:
             for worker in route:
                 if worker.malicious:
@@ -335,6 +351,7 @@ class Mesh:
             tainted = tainted or verdict.tainted
             if verdict.tensor is None or tuple(verdict.tensor.shape) != self.shape:
                 # dropped by policy, or (undefended) a tensor the next stage cannot even take
+                self._dropped_from = sender.id if verdict.tensor is None else None
                 return self._drop(route[: k + 1], name)
             hidden = verdict.tensor
             if audits is not None:
