@@ -124,6 +124,7 @@ AUDIT_FIELDS = frozenset(
         "audit_rate",
         "probation_audit_rate",
         "suspect_audit_rate",
+        "suspect_evidence",
         "audit_tolerance",
         "audit_drift_factor",
         "audit_exact",
@@ -216,6 +217,13 @@ class VerificationConfig(_Strict):
         ge=0,
         le=1,
         description="the audit rate of a stage replica holding a strike or a blatant mark not yet forgiven",
+    )
+    suspect_evidence: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="share of peer_limit that a sender's evidence in the peer test reaches to make it a suspect "
+        "before any strike (0: only strikes do)",
     )
     audit_tolerance: float = Field(
         0.5, gt=0, description="relative error a claim may always show (of a middle stage's contribution)"

@@ -27,7 +27,7 @@ from sentinel_node.attacks import (
 )
 from sentinel_node.config import load_config
 from sentinel_node.model import load_corpus
-from sentinel_node.pipeline import StageWorker
+from sentinel_node.pipeline import BoundaryVerifier, StageWorker
 from sentinel_node.pipeline.audits import AuditJudge, Recomputation, assemble
 from sentinel_node.pipeline.recompute import NoReference
 from sentinel_node.pipeline.relay_cache import AuditDraw, Crossing, RelayCache
@@ -279,6 +279,36 @@ def test_a_replica_on_probation_is_drawn_at_the_probation_rate():
     assert 0.22 < newcomer < 0.28 and established < 0.04
     no_probation = AuditDraw(0.1, seed=2, probation_rate=0.0)  # a lower probation rate never lowers the rate
     assert 0.08 < sum(no_probation(probation=True) for _ in range(4000)) / 4000 < 0.12
+
+
+def test_a_sender_gathering_peer_evidence_is_a_suspect_before_any_strike_and_honest_peers_are_not():
+    """Four replicas' gradients at one boundary, their norms spread as honest ones are (a factor exp(0.3 z) per
+    tensor, so that doubling stays inside every fence), one doubled from check 200 on: the peer test's evidence
+    against it reaches half its limit long before an alarm, and from then on its work is worth recomputing, while
+    it holds no strike; its honest peers never reach it in 400 checks each. `share` 0 turns it off."""
+    config = load_config().verification.model_copy(update={"warmup": 40})
+    checker = BoundaryVerifier(config, [0], hidden_size=16, expected_shape=(4, 32, 16), seed=1)
+    generator = torch.Generator().manual_seed(5)
+    base = torch.randn(4, 32, 16, generator=generator)
+    became, honest_suspect = None, set()
+    for i in range(400):
+        for sender in "abcd":
+            spread = float(torch.exp(0.3 * torch.randn(1, generator=generator)))
+            tensor = (base + 0.7 * torch.randn(4, 32, 16, generator=generator)) * spread
+            if sender == "d" and i >= 200:
+                tensor = 2 * tensor
+            verdict = checker.check(0, "gradient", tensor, sender, tainted=False, step=i)
+            if sender != "d" and checker.suspicious(sender, 0, "gradient", 0.5):
+                honest_suspect.add(sender)
+            if sender == "d" and became is None and checker.suspicious("d", 0, "gradient", 0.5):
+                became = (i, verdict.flagged, checker.ledger.suspect("d"))
+            assert not checker.suspicious(sender, 0, "gradient", 0.0)
+    assert became is not None, "the doubled sender never gathered evidence"
+    step, flagged, struck = became
+    assert 200 <= step < 215 and not flagged and not struck, became
+    assert not honest_suspect, honest_suspect
+    assert not checker.suspicious("d", 0, "activation", 0.5), "no evidence on what it did not send"
+    assert not checker.suspicious("unheard", 0, "gradient", 0.5)
 
 
 def test_a_suspect_holding_a_strike_is_drawn_at_the_suspect_rate_until_forgiven():

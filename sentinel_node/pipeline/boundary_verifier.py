@@ -105,5 +105,14 @@ class BoundaryVerifier:
         self.senders[key] = {}
         return True
 
+    def suspicious(self, sender: str, boundary: int, direction: str, share: float) -> bool:
+        """Whether ``sender``'s evidence in the peer test of (``boundary``, ``direction``) has reached ``share`` of
+        its limit: it has been consistently unlike its peers lately, short of an alarm. Worth a recomputation, never
+        a strike (an honest sender whose replica drifted from its peers passes its audits)."""
+        monitor = self.monitors.get((boundary, direction))
+        if monitor is None or share <= 0 or not monitor.peers.enabled:
+            return False
+        return monitor.peers.evidence(sender) >= share * monitor.peers.limit
+
     def is_banned(self, sender: str) -> bool:
         return self.ledger.is_banned(sender)

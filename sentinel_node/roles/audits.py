@@ -219,10 +219,14 @@ class VerifierAudits:
             )
         )
 
-    def _suspect(self, peer: str) -> bool:
-        """Whether ``peer`` holds a strike here or in a record another verifier published: a replica flagged at
-        the next boundary (its activations) is audited at this one (whose gradients it sends) all the same."""
-        if self.node.checker.ledger.suspect(peer):
+    def _suspect(self, peer: str, boundary: int, direction: str) -> bool:
+        """Whether ``peer`` holds a strike here or in a record another verifier published (a replica flagged at
+        the next boundary, its activations, is audited at this one, whose gradients it sends, all the same), or
+        this verifier's peer test has gathered `suspect_evidence` against what it sends across ``boundary``."""
+        checker = self.node.checker
+        if checker.ledger.suspect(peer):
+            return True
+        if checker.suspicious(peer, boundary, direction, self.config.suspect_evidence):
             return True
         return any(record.strikes > 0 for record in self.node.views.view.ledger.about(peer))
 
@@ -250,7 +254,9 @@ class VerifierAudits:
         for stage in stages:
             audited = crossing.receiver if stage == boundary + 1 else crossing.sender
             probation = audited is not None and ledger.on_probation(audited)
-            if not self.draw(probation=probation, suspect=audited is not None and self._suspect(audited)):
+            direction = "gradient" if stage == boundary + 1 else "activation"  # what this verifier checks of it
+            suspect = audited is not None and self._suspect(audited, boundary, direction)
+            if not self.draw(probation=probation, suspect=suspect):
                 continue
             self.stats["drawn"] += 1
             if len(self.tasks) >= self.config.audit_queue:

@@ -92,6 +92,7 @@ class MeshAudits:
         self.tolerance = config.audit_tolerances()
         self.n_stages = mesh.n_stages
         self.max_age = 2 * mesh.config.pipeline.average_every
+        self.suspect_evidence = config.suspect_evidence
         cache_bytes = int(config.audit_cache_mib * 2**20)
         self.stations: list[Station] = []
         for boundary in range(self.n_stages - 1):
@@ -138,12 +139,18 @@ class MeshAudits:
         for stage in range(len(route)):
             station = self.stations[max(0, stage - 1)]
             strikes, audited = station.judge.strikes, route[stage].id
-            if station.draw(probation=strikes.on_probation(audited), suspect=self._suspect(audited)):
+            if station.draw(probation=strikes.on_probation(audited), suspect=self._suspect(audited, station, stage)):
                 self.audit(station, stage, name)
 
-    def _suspect(self, worker: str) -> bool:
-        """Whether any verifier holds a strike against ``worker`` (as a node reads the others' strike records)."""
-        return any(ledger.suspect(worker) for ledger in self.mesh._ledgers())
+    def _suspect(self, worker: str, station: Station, stage: int) -> bool:
+        """Whether any verifier holds a strike against ``worker`` (as a node reads the others' strike records), or
+        the station's own peer test has gathered `suspect_evidence` against what it checks of it (the gradients of
+        the stage above its boundary, the activations of stage 0)."""
+        if any(ledger.suspect(worker) for ledger in self.mesh._ledgers()):
+            return True
+        direction = "gradient" if stage == station.boundary + 1 else "activation"
+        verifier = self.mesh.verifiers[station.boundary][0]
+        return verifier.suspicious(worker, station.boundary, direction, self.suspect_evidence)
 
     # --- one audit
 
