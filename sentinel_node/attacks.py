@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+import math
 import random
 import zlib
 from collections import deque
@@ -254,6 +255,54 @@ def sequence_shuffle(tensor: torch.Tensor, step: int, state: dict, fraction: flo
     return tensor[order]
 
 
+# --- four more, written after the fences and the sequential tests were settled (the red-team pass of
+# docs/decisions.md "Four attacks from outside"): each keeps the tensor's norm, so no size test sees it
+
+
+def plane_rotation(tensor: torch.Tensor, step: int, state: dict, degrees: float = 90.0, planes: int = 8):
+    """Rotates the tensor by `degrees` in `planes` fixed planes, each spanned by two random hidden channels: the
+    norm and every channel's spread stay, the directions the next stage reads are turned."""
+    hidden = tensor.shape[-1]
+    pairs = min(planes, hidden // 2)
+    if pairs == 0:
+        return tensor
+    if state.get("planes") is None or state["planes"][1] != hidden:
+        chosen = torch.randperm(hidden, generator=_generator(state))[: 2 * pairs]
+        state["planes"] = (chosen.reshape(pairs, 2), hidden)
+    channels = state["planes"][0]
+    angle = math.radians(degrees)
+    out = tensor.clone()
+    a, b = tensor[..., channels[:, 0]], tensor[..., channels[:, 1]]
+    out[..., channels[:, 0]] = math.cos(angle) * a - math.sin(angle) * b
+    out[..., channels[:, 1]] = math.sin(angle) * a + math.cos(angle) * b
+    return out
+
+
+def token_shift(tensor: torch.Tensor, step: int, state: dict, shift: int = 1) -> torch.Tensor:
+    """Hands each position the hidden state of the position `shift` before it (cyclically, within its sequence):
+    every value is an honest one, at the wrong token. A tensor without a sequence axis is sent unchanged."""
+    if tensor.dim() < 3 or shift % tensor.shape[-2] == 0:
+        return tensor
+    return tensor.roll(shift, dims=-2)
+
+
+def cross_mix(tensor: torch.Tensor, step: int, state: dict, weight: float = 0.5) -> torch.Tensor:
+    """Blends each sequence with the next one of the microbatch, `weight` of the other's, rescaled to the tensor's
+    norm: tokens leak between sequences while the size of everything stays honest."""
+    if tensor.shape[0] < 2:
+        return tensor
+    mixed = (1 - weight) * tensor + weight * tensor.roll(1, dims=0)
+    return mixed * (tensor.norm() / mixed.norm().clamp_min(1e-30))
+
+
+def ternary_quantize(tensor: torch.Tensor, step: int, state: dict, threshold: float = 0.7) -> torch.Tensor:
+    """A lazy compressor's tensor: every element becomes -1, 0 or +1 (0 where its magnitude is under `threshold`
+    times the mean magnitude), times one scale that keeps the tensor's norm."""
+    magnitude = tensor.abs()
+    ternary = torch.sign(tensor) * (magnitude >= threshold * magnitude.mean())
+    return ternary * (tensor.norm() / ternary.norm().clamp_min(1e-30))
+
+
 # stateful attacks learn from the honest tensors they see before they start or when they hold back
 delay.observes_honest = True
 adaptive.observes_honest = True
@@ -271,6 +320,10 @@ FAMILIES: dict[str, AttackFn] = {
     "channel_target": channel_target,
     "row_corruption": row_corruption,
     "sequence_shuffle": sequence_shuffle,
+    "plane_rotation": plane_rotation,
+    "token_shift": token_shift,
+    "cross_mix": cross_mix,
+    "ternary_quantize": ternary_quantize,
 }
 CATALOGUE: dict[str, AttackFn] = {**_BASIC, "mixed": mixed, "adaptive": adaptive, **FAMILIES}
 BASIC_ATTACKS: tuple[str, ...] = tuple(_BASIC)

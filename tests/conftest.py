@@ -36,6 +36,7 @@ ISOLATED = {
     "test_placement",
     "test_plan",
     "test_sim",
+    "test_sweep",
     "test_state_transfer",
     "test_swarm_config",
     "test_user_messages",

@@ -245,6 +245,91 @@ def test_adaptive_learns_no_longer_than_the_swarm_warmup():
     assert not state["monitor"].warming_up
 
 
+# --- four attacks from outside (the red-team pass; docs/decisions.md "Four attacks from outside") ----------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_plane_rotation_turns_a_few_channel_pairs_and_keeps_every_norm(kind):
+    x = honest(kind)
+    state = {"seed": 4}
+    out = make_attack("plane_rotation", degrees=90, planes=8)(x, 0, state)
+    changed = (out != x).flatten(0, -2).any(0)
+    assert int(changed.sum()) == 16  # two channels per plane
+    assert relative_norm(out, x) == pytest.approx(1.0, rel=1e-4)
+    pairs = state["planes"][0]
+    for a, b in pairs.tolist():  # a quarter turn: (a, b) -> (-b, a), each plane's energy kept
+        assert torch.allclose(out[..., a], -x[..., b], atol=1e-6 * float(x.abs().max()))
+        assert torch.allclose(out[..., b], x[..., a], atol=1e-6 * float(x.abs().max()))
+    # the planes are the attacker's own and fixed: the same channels on the next tensor
+    nxt = honest(kind, seed=9)
+    assert torch.equal(((make_attack("plane_rotation")(nxt, 1, state)) != nxt).flatten(0, -2).any(0), changed)
+
+
+def test_plane_rotation_of_half_a_turn_negates_its_channels_and_of_none_changes_nothing():
+    x = honest("activation")
+    state = {"seed": 1}
+    half = make_attack("plane_rotation", degrees=180)(x, 0, state)
+    channels = state["planes"][0].flatten()
+    assert torch.allclose(half[..., channels], -x[..., channels], atol=1e-5)
+    assert torch.allclose(make_attack("plane_rotation", degrees=0)(x, 0, {}), x)
+    narrow = torch.randn(4, 3, 1)
+    assert make_attack("plane_rotation")(narrow, 0, {}) is narrow  # no plane fits in one channel
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shift", [1, 5])
+def test_token_shift_hands_each_position_the_state_of_one_before(kind, shift):
+    x = honest(kind)
+    out = make_attack("token_shift", shift=shift)(x, 0, {})
+    assert torch.equal(out[:, shift:], x[:, :-shift])
+    assert torch.equal(out[:, :shift], x[:, -shift:])  # cyclic within the sequence
+    assert not torch.equal(out, x)
+
+
+def test_token_shift_leaves_what_it_cannot_shift():
+    x = honest("activation")
+    assert make_attack("token_shift", shift=SHAPE[1])(x, 0, {}) is x  # a whole turn
+    flat = torch.randn(6, 5)
+    assert make_attack("token_shift")(flat, 0, {}) is flat  # no sequence axis
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("weight", [0.2, 0.5])
+def test_cross_mix_blends_the_next_sequence_in_at_the_tensors_norm(kind, weight):
+    x = honest(kind)
+    out = make_attack("cross_mix", weight=weight)(x, 0, {})
+    assert relative_norm(out, x) == pytest.approx(1.0, rel=1e-4)
+    mixed = (1 - weight) * x + weight * x.roll(1, dims=0)
+    assert torch.allclose(out, mixed * (x.norm() / mixed.norm()), rtol=1e-5, atol=1e-7 * float(x.abs().max()))
+    assert 0.2 < correlation(out, x) < 0.999
+
+
+def test_cross_mix_at_full_weight_is_the_next_sequence_and_one_sequence_is_left_alone():
+    x = honest("activation")
+    assert torch.allclose(make_attack("cross_mix", weight=1.0)(x, 0, {}), x.roll(1, dims=0), atol=1e-5)
+    single = x[:1]
+    assert make_attack("cross_mix")(single, 0, {}) is single
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("threshold", [0.0, 0.7, 1.5])
+def test_ternary_quantize_sends_three_values_at_the_tensors_norm(kind, threshold):
+    x = honest(kind)
+    out = make_attack("ternary_quantize", threshold=threshold)(x, 0, {})
+    assert relative_norm(out, x) == pytest.approx(1.0, rel=1e-4)
+    assert out.abs().unique().numel() == (1 if threshold == 0 else 2)  # {c} or {0, c}
+    kept = out != 0
+    assert torch.equal(torch.sign(out[kept]), torch.sign(x[kept]))
+    small = x.abs() < threshold * x.abs().mean()
+    assert torch.equal(~kept, small)
+
+
+def test_ternary_quantize_drops_more_the_higher_its_threshold():
+    x = honest("gradient")
+    zeros = [float((make_attack("ternary_quantize", threshold=t)(x, 0, {}) == 0).float().mean()) for t in (0.5, 1, 2)]
+    assert zeros == sorted(zeros) and zeros[0] > 0.1 and zeros[-1] > 0.7
+
+
 # --- make_attack ---------------------------------------------------------------------------------------------------
 
 

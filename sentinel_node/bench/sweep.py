@@ -151,6 +151,37 @@ FAMILIES: tuple[Family, ...] = (
         {"quick": (0.25, 1.0), "full": (0.25, 1.0)},
         "sequences of the microbatch swapped",
     ),
+    # four written after the detection was settled, as a red team would (docs/decisions.md "Four attacks from
+    # outside"): each keeps the tensor's norm
+    Family(
+        "plane_rotation",
+        "plane_rotation",
+        "degrees",
+        {"quick": (10, 30, 90, 180), "full": (30, 180)},
+        "turned by degrees in 8 planes of two channels",
+        {"planes": 8},
+    ),
+    Family(
+        "token_shift",
+        "token_shift",
+        "shift",
+        {"quick": (1, 2, 8), "full": (1, 8)},
+        "each token given the state shift positions before",
+    ),
+    Family(
+        "cross_mix",
+        "cross_mix",
+        "weight",
+        {"quick": (0.05, 0.2, 0.5, 1.0), "full": (0.2, 1.0)},
+        "weight of another sequence blended in",
+    ),
+    Family(
+        "ternary_quantize",
+        "ternary_quantize",
+        "threshold",
+        {"quick": (0.0, 0.7, 1.5), "full": (0.0, 1.5)},
+        "-1/0/+1 times a scale, 0 under threshold x mean",
+    ),
     Family(
         "adaptive",
         "adaptive",
@@ -267,9 +298,21 @@ def run_sweep(
     workers: int = 2,
     progress: Callable[[str], None] | None = None,
     bar: bool = False,
+    steps: int | None = None,
 ) -> dict:
+    """Runs every point of the chosen families (all by default) on the profile, undefended and defended, and one
+    clean run; ``steps`` replaces the profile's run length, the attacks starting halfway (a short look, not the
+    profile's figures). A family that would start at or after the last step is refused with a ValueError."""
     config = config.with_overrides(**PROFILES[profile])
+    if steps is not None:
+        config = config.with_overrides(sim={"steps": steps, "attack_start": steps // 2})
     selected = points(profile, families(family_names))
+    late = sorted({p.family.name for p in selected if p.start(config) >= config.sim.steps})
+    if late:
+        raise ValueError(
+            f"{', '.join(late)} would start at or after the last of {config.sim.steps} steps; raise --steps or "
+            "leave out those families"
+        )
     corpus = load_corpus(config.data.path, config.data.val_fraction, config.data.max_bytes)
     specs = []
     for point in selected:

@@ -141,8 +141,8 @@ def bench() -> None:
 @click.option(
     "--steps",
     type=click.IntRange(min=2),
-    help="honest: global steps (default 1000); catalogue: global steps, the attack starting halfway (default: the "
-    "profile's).",
+    help="honest: global steps (default 1000); catalogue, sweep: global steps, the attack starting halfway "
+    "(default: the profile's).",
 )
 @click.option("--attack", "attacks", multiple=True, type=_attack_choice(), help="Only this attack (repeatable).")
 @click.option("--family", "families", multiple=True, help="sweep: only this family (repeatable).")
@@ -173,15 +173,17 @@ def detection(
         raise click.UsageError("--attack, --attack-file and --target choose catalogue runs (--suite catalogue)")
     if suite != "sweep" and families:
         raise click.UsageError("--family chooses sweep families; add --suite sweep")
-    if suite not in ("honest", "catalogue") and steps:
-        raise click.UsageError("--steps sets the length of an honest or a catalogue run (--suite honest|catalogue)")
+    if suite == "sybil" and steps:
+        raise click.UsageError("--steps sets the length of an honest, catalogue or sweep run, not of --suite sybil")
     config = load(config_path)
     profile = "quick" if quick else "full"
     echo = None if as_json else lambda line: click.echo(line, err=True)
     bar = not as_json and sys.stderr.isatty()
     try:
         if suite == "sweep":
-            report = sweep.run_sweep(config, profile, list(families) or None, workers, progress=echo, bar=bar)
+            report = sweep.run_sweep(
+                config, profile, list(families) or None, workers, progress=echo, bar=bar, steps=steps
+            )
         elif suite == "honest":
             report = honest.run_honest(config, profile, steps or 1000, progress=echo)
         elif suite == "sybil":
