@@ -125,6 +125,7 @@ AUDIT_FIELDS = frozenset(
         "probation_audit_rate",
         "suspect_audit_rate",
         "suspect_evidence",
+        "loss_evidence",
         "audit_tolerance",
         "audit_drift_factor",
         "audit_exact",
@@ -224,6 +225,13 @@ class VerificationConfig(_Strict):
         le=1,
         description="share of peer_limit that a sender's evidence in the peer test reaches to make it a suspect "
         "before any strike (0: only strikes do)",
+    )
+    loss_evidence: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="share of peer_limit that a stage replica's evidence of higher losses than its peers' (the "
+        "microbatches it computed, ranked) reaches to make it a suspect; never a strike (0: off)",
     )
     audit_tolerance: float = Field(
         0.5, gt=0, description="relative error a claim may always show (of a middle stage's contribution)"

@@ -27,6 +27,7 @@ from sentinel_node.verification import (
     AdaptiveThreshold,
     BoundaryMonitor,
     EmaBaseline,
+    LossEvidence,
     MonitorSettings,
     PeerEvidence,
     PeerReference,
@@ -53,23 +54,36 @@ class HonestStreams:
     activations: list[torch.Tensor]
     gradients: list[torch.Tensor]
     losses: list[float]
+    # the loss the same microbatch would have ended with had its activation been attacked (nothing trained on it)
+    attacked_losses: dict[str, list[float]]
 
     def of(self, direction: str) -> list[torch.Tensor]:
         return self.activations if direction == "activation" else self.gradients
 
 
-def _train_step(stages, optimizer, corpus, rng) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """One AdamW step of the two-stage model; returns the boundary activation, its gradient and the loss."""
+# an activation attack whose damage this small model feels (+45% on the microbatch's loss), and one it hardly does
+# (+1.6%: a shift by a token costs a model this early little)
+LOSS_ATTACKS = {
+    "plane_rotation": lambda x: attacks.plane_rotation(x, 0, {"seed": 1}, degrees=180),
+    "token_shift": lambda x: attacks.token_shift(x, 0, {}, shift=1),
+}
+
+
+def _train_step(stages, optimizer, corpus, rng) -> tuple[torch.Tensor, torch.Tensor, float, dict[str, float]]:
+    """One AdamW step of the two-stage model; returns the boundary activation, its gradient, the loss and the losses
+    of the same microbatch through `LOSS_ATTACKS` (the step itself is honest)."""
     first, last = stages
     inputs, targets = sample_batch(corpus.train, SHAPE[0], SHAPE[1], rng)
     hidden = first(inputs)
     received = hidden.detach().requires_grad_(True)
+    with torch.no_grad():
+        attacked = {name: float(last.loss(last(fn(received)), targets)) for name, fn in LOSS_ATTACKS.items()}
     loss = last.loss(last(received), targets)
     loss.backward()
     hidden.backward(received.grad)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return hidden.detach().clone(), received.grad.detach().clone(), float(loss.detach())
+    return hidden.detach().clone(), received.grad.detach().clone(), float(loss.detach()), attacked
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +103,8 @@ def streams() -> HonestStreams:
         _train_step(stages, optimizer, corpus, rng)
     optimizer.param_groups[0]["lr"] = 2e-4
     recorded = [_train_step(stages, optimizer, corpus, rng) for _ in range(STREAM_STEPS)]
-    activations, gradients, losses = (list(column) for column in zip(*recorded, strict=True))
-    return HonestStreams(activations, gradients, losses)
+    activations, gradients, losses, attacked = (list(column) for column in zip(*recorded, strict=True))
+    return HonestStreams(activations, gradients, losses, {name: [a[name] for a in attacked] for name in LOSS_ATTACKS})
 
 
 def settings(direction: str = "activation", **overrides) -> MonitorSettings:
@@ -1225,3 +1239,66 @@ def test_a_crossing_of_the_opposed_rows_alone_weighs_one_strike_however_far(stre
     assert verdict.flagged and verdict.over == ("opposed",), (verdict.over, verdict.scores, verdict.thresholds)
     assert verdict.severity >= monitor.settings.blatant_severity  # far over its fence...
     assert not verdict.blatant and monitor.ledger.senders["spiky"].strikes == 1  # ...and one strike
+
+
+# --- evidence of higher losses (losses.py) --------------------------------------------------------------------------
+
+
+def loss_evidence(**overrides) -> LossEvidence:
+    c = load_config().verification
+    values = {
+        "pool": c.peer_pool,
+        "kappa": c.peer_kappa,
+        "limit": c.peer_limit,
+        "share": c.loss_evidence,
+        "max_senders": c.max_senders,
+    }
+    return LossEvidence(**{**values, **overrides})
+
+
+def loss_stream(streams: HonestStreams, seed: int, attacked: str | None = None, replicas: str = "abcd"):
+    """The stream's microbatches, in training order, each through a replica drawn at random (as routes are);
+    replica ``d``'s end with the loss through `attacked`. Yields (replica, evidence after its loss)."""
+    rng = random.Random(seed)
+    evidence = loss_evidence()
+    for i, honest_loss in enumerate(streams.losses):
+        replica = rng.choice(replicas)
+        loss = streams.attacked_losses[attacked][i] if attacked and replica == "d" else honest_loss
+        evidence.observe(replica, loss)
+        yield replica, evidence
+
+
+def test_honest_replicas_are_rarely_suspected_for_their_losses(streams):
+    suspected, checks = 0, 0
+    for seed in range(10):
+        for replica, evidence in loss_stream(streams, seed):
+            checks += 1
+            suspected += evidence.suspicious(replica)
+    # a suspicion costs an audit that passes; the rate is that of extra audits of honest work
+    assert suspected / checks < 0.02, (suspected, checks)
+
+
+def test_a_replica_whose_microbatches_end_worse_is_a_suspect_within_a_few_of_them(streams):
+    attack = "plane_rotation"
+    # the real damage: the loss of the same microbatch through the attacked activation
+    rise = statistics.median(a / h for a, h in zip(streams.attacked_losses[attack], streams.losses, strict=True))
+    assert rise > 1.2, rise
+    for seed in range(5):
+        mine = 0
+        for replica, evidence in loss_stream(streams, seed, attacked=attack):
+            mine += replica == "d"
+            if evidence.suspicious("d"):
+                break
+        assert evidence.suspicious("d") and mine <= 15, (seed, mine)
+        assert not any(evidence.suspicious(r) for r in "abc")
+
+
+def test_loss_evidence_ignores_what_is_not_a_loss_and_can_be_turned_off():
+    evidence = loss_evidence()
+    for bad in (None, float("nan"), float("inf"), 0.0, -1.0):
+        evidence.observe("x", bad)
+    assert evidence.evidence("x") == 0.0 and not evidence.suspicious("x")
+    off = loss_evidence(share=0.0)
+    for i in range(100):
+        off.observe("abcd"[i % 4], 100.0 if i % 4 == 3 else 1.0 + 0.01 * i)
+    assert not off.enabled and not off.suspicious("d")

@@ -54,6 +54,7 @@ from sentinel_node.transport import (
     call_peer,
 )
 from sentinel_node.verification.audit import AuditLedger, AuditOutcome, Drift, Work
+from sentinel_node.verification.losses import LossEvidence
 
 if TYPE_CHECKING:
     from sentinel_node.roles.stage import StageNode
@@ -175,6 +176,7 @@ class VerifierAudits:
         self.stats = Counter()  # drawn, busy, timed_out, incomplete, incomparable, no_auditor
         self.failures: deque[dict] = deque(maxlen=KEPT_EVIDENCE)
         self.evidence: dict[str, dict] = {}  # accused -> evidence of its last failed audit (for its strike record)
+        self.losses: dict[tuple[int, int], LossEvidence] = {}  # (boundary, audited stage) -> higher-loss evidence
 
     @property
     def enabled(self) -> bool:
@@ -230,6 +232,13 @@ class VerifierAudits:
             return True
         return any(record.strikes > 0 for record in self.node.views.view.ledger.about(peer))
 
+    def _losses(self, boundary: int, stage: int) -> LossEvidence:
+        key = (boundary, stage)
+        if key not in self.losses:
+            c = self.config
+            self.losses[key] = LossEvidence(c.peer_pool, c.peer_kappa, c.peer_limit, c.loss_evidence, c.max_senders)
+        return self.losses[key]
+
     def answered(self, meta: PipelineRequest, boundary: int, receiver: str, gradient: torch.Tensor) -> None:
         """``receiver`` (a stage ``boundary + 1`` replica) answered with ``gradient``, passed back as is: it ran its
         backward pass."""
@@ -238,8 +247,11 @@ class VerifierAudits:
         self.cache.answer(meta.microbatch_id, boundary, receiver, gradient)
         self.cache.completed(receiver, meta.step)
 
-    def settled(self, meta: PipelineRequest, boundary: int, taint: list[int], route: list[Hop]) -> None:
-        """The gradient goes back to the stage ``boundary`` replica: the microbatch is complete here. Draws
+    def settled(
+        self, meta: PipelineRequest, boundary: int, taint: list[int], route: list[Hop], loss: float | None = None
+    ) -> None:
+        """The gradient goes back to the stage ``boundary`` replica: the microbatch is complete here, with the
+        ``loss`` the last stage reported. Adds the loss to the evidence about the replicas it audits and draws
         audits of stage ``boundary + 1`` (and of stage 0 on boundary 0); ``route`` holds the hops after the
         stage ``boundary + 1`` replica (first: the verifier of the next boundary)."""
         if not self.enabled or not meta.train:
@@ -255,7 +267,11 @@ class VerifierAudits:
             audited = crossing.receiver if stage == boundary + 1 else crossing.sender
             probation = audited is not None and ledger.on_probation(audited)
             direction = "gradient" if stage == boundary + 1 else "activation"  # what this verifier checks of it
-            suspect = audited is not None and self._suspect(audited, boundary, direction)
+            if audited is not None:
+                self._losses(boundary, stage).observe(audited, loss)
+            suspect = audited is not None and (
+                self._suspect(audited, boundary, direction) or self._losses(boundary, stage).suspicious(audited)
+            )
             if not self.draw(probation=probation, suspect=suspect):
                 continue
             self.stats["drawn"] += 1

@@ -501,7 +501,7 @@ class VerifierNode(Node):
             return Answer([], MicrobatchReply(loss=loss, taint=taint))
         if not verdict.flagged:
             self.audits.answered(meta, boundary, reply.peer, verdict.tensor)
-        self.audits.settled(meta, boundary, taint, next_meta.route)
+        self.audits.settled(meta, boundary, taint, next_meta.route, loss)
         return Answer([verdict.tensor], MicrobatchReply(loss=loss, taint=taint))
 
     async def _check(

@@ -22,6 +22,7 @@ from sentinel_node.pipeline.audits import AuditCase, AuditJudge, AuditResult, Re
 from sentinel_node.pipeline.recompute import NoReference
 from sentinel_node.pipeline.relay_cache import AuditDraw, Crossing, RelayCache
 from sentinel_node.verification.audit import AuditLedger, AuditOutcome
+from sentinel_node.verification.losses import LossEvidence
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Station:
     cache: RelayCache
     draw: AuditDraw
     judge: AuditJudge
+    losses: dict[int, LossEvidence] = field(default_factory=dict)  # per stage it audits
 
 
 @dataclass
@@ -47,6 +49,8 @@ class AuditStats:
     uncalibrated: int = 0  # first comparisons whose auditor had not stepped since the round (exact tests only)
     convictions: list[dict] = field(default_factory=list)  # evidence
     contradicted: Counter = field(default_factory=Counter)  # honest auditor -> recomputations two others contradicted
+    # honest -> audits drawn while only the evidence of higher losses made the replica a suspect
+    loss_suspect_draws: Counter = field(default_factory=Counter)
 
     def summary(self) -> dict:
         def count(honest: bool) -> dict[str, int]:
@@ -73,6 +77,7 @@ class AuditStats:
             "malicious": count(False),
             "honest_audits": sum(honest.values()),
             "honest_failed_first": self.first_failed[True],
+            "loss_suspect_draws": dict(honest=self.loss_suspect_draws[True], malicious=self.loss_suspect_draws[False]),
             "honest_auditors_contradicted": self.contradicted[True],
             "incomparable": self.incomparable,
             "no_auditor": self.no_auditor,
@@ -104,7 +109,14 @@ class MeshAudits:
             draw = AuditDraw(
                 config.audit_rate, seed + 7919 * boundary, config.probation_audit_rate, config.suspect_audit_rate
             )
-            self.stations.append(Station(boundary, cache, draw, judge))
+            stages = [boundary + 1] + ([0] if boundary == 0 else [])
+            losses = {
+                stage: LossEvidence(
+                    config.peer_pool, config.peer_kappa, config.peer_limit, config.loss_evidence, config.max_senders
+                )
+                for stage in stages
+            }
+            self.stations.append(Station(boundary, cache, draw, judge, losses))
         self.stats = AuditStats()
 
     # --- what the verifiers relay (called by the mesh as the microbatch crosses each boundary)
@@ -128,8 +140,9 @@ class MeshAudits:
         cache.answer(name, boundary, receiver, gradient)
         cache.completed(receiver, step)
 
-    def settled(self, step: int, name: str, route, tainted: bool) -> None:
-        """The microbatch completed on every stage of ``route``: each verifier settles it and draws audits."""
+    def settled(self, step: int, name: str, route, tainted: bool, loss: float | None = None) -> None:
+        """The microbatch completed on every stage of ``route`` with ``loss``: each verifier settles it, adds the
+        loss to the evidence about the replicas it audits, and draws audits."""
         for station in self.stations:
             crossing = station.cache.settle(name, station.boundary, tainted)
             if station.boundary == 0 and crossing is not None:
@@ -138,8 +151,15 @@ class MeshAudits:
             return
         for stage in range(len(route)):
             station = self.stations[max(0, stage - 1)]
+            station.losses[stage].observe(route[stage].id, loss)
+        for stage in range(len(route)):
+            station = self.stations[max(0, stage - 1)]
             strikes, audited = station.judge.strikes, route[stage].id
-            if station.draw(probation=strikes.on_probation(audited), suspect=self._suspect(audited, station, stage)):
+            suspect = self._suspect(audited, station, stage)
+            by_loss = not suspect and station.losses[stage].suspicious(audited)
+            if station.draw(probation=strikes.on_probation(audited), suspect=suspect or by_loss):
+                if by_loss:
+                    self.stats.loss_suspect_draws[not self.mesh.worker(audited).malicious] += 1
                 self.audit(station, stage, name)
 
     def _suspect(self, worker: str, station: Station, stage: int) -> bool:

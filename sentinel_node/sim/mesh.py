@@ -375,7 +375,7 @@ class Mesh:
             context = StageContext(route[k - 1].worker.module, grad_output=verdict.tensor)
             grad = route[k - 1].worker.backward(name, verdict.tensor)
         if audits is not None:
-            audits.settled(step, name, route, tainted)
+            audits.settled(step, name, route, tainted, loss)
         return loss
 
     def _drop(self, route: list[SimWorker], name: str) -> None:

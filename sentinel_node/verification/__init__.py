@@ -19,12 +19,14 @@ The steps, in the paper's order: :mod:`profile` (reduce a tensor to token-indepe
 :mod:`reference` (the senders' median, which a minority cannot walk), :mod:`baseline` (EMA of accepted profiles,
 the clean replacement, and the reference of a boundary with fewer than three senders), :mod:`metrics` (distances),
 :mod:`thresholds` (Tukey fence over a window of accepted scores), :mod:`peers` (evidence accumulated per sender
-against its peers), :mod:`replay` (sketches that find near-copies), :mod:`shift` (a fence crossed by several senders
-is the boundary moving), :mod:`strikes` (violation counter with forgiveness, weighted by the evidence),
-:mod:`senders` (per-sender state with a bound), :mod:`monitor` (all of it for one boundary and direction).
+against its peers), :mod:`replay` (sketches that find near-copies), :mod:`losses` (higher losses than its peers'
+make a replica a suspect for audits), :mod:`shift` (a fence crossed by several senders is the boundary moving),
+:mod:`strikes` (violation counter with forgiveness, weighted by the evidence), :mod:`senders` (per-sender state with
+a bound), :mod:`monitor` (all of it for one boundary and direction).
 """
 
 from sentinel_node.verification.baseline import EmaBaseline
+from sentinel_node.verification.losses import LossEvidence
 from sentinel_node.verification.metrics import METRICS
 from sentinel_node.verification.monitor import REPLACEMENTS, BoundaryMonitor, MonitorSettings, Verdict, VerdictKind
 from sentinel_node.verification.peers import PeerAlarm, PeerEvidence
@@ -42,6 +44,7 @@ __all__ = [
     "AdaptiveThreshold",
     "BoundaryMonitor",
     "EmaBaseline",
+    "LossEvidence",
     "MonitorSettings",
     "PeerAlarm",
     "PeerEvidence",
