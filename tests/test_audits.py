@@ -23,6 +23,7 @@ from sentinel_node.attacks import (
     arm,
     attack_maker,
     load_attack_file,
+    make_attack,
     refuses_steps,
 )
 from sentinel_node.config import load_config
@@ -428,6 +429,24 @@ def test_the_mesh_convicts_a_gradient_inverter_that_statistics_miss(corpus):
     conviction = audits["convictions"][0]
     assert conviction["direction"] == "gradient" and conviction["step"] >= 10 and conviction["error"] > 1
     assert len(conviction["auditors"]) == 2 and "s1r0" not in conviction["auditors"]
+
+
+@pytest.mark.parametrize("loss_evidence", [0.5, 0.0])
+def test_higher_losses_make_a_suspect_whose_audit_convicts_it(corpus, loss_evidence):
+    # the base draw (0.1%) and the peer test's suspicion are off, and the fences stay in warm-up: in 8 attacked
+    # steps only its microbatches' losses, ranked against its peers', can get s1r0 audited
+    config = mesh_config(audit_rate=0.001, suspect_evidence=0.0, loss_evidence=loss_evidence)
+    rotate = AttackPlan("plane_rotation", "activation", lambda d: make_attack("plane_rotation", degrees=180))
+    result = Mesh(config, corpus, rotate).run(steps=18)
+    audits = result.audits
+    assert result.malicious == ["s1r0"] and audits["honest"]["convicted"] == 0
+    assert audits["loss_suspect_draws"]["honest"] <= 2  # a suspicion of honest work costs an audit that passes
+    if loss_evidence:
+        assert set(result.banned_at) == {"s1r0"} and audits["malicious"]["convicted"] == 1
+        assert audits["loss_suspect_draws"]["malicious"] >= 1
+    else:
+        assert audits["loss_suspect_draws"] == {"honest": 0, "malicious": 0}
+        assert not result.banned_at
 
 
 def test_a_lying_auditor_cannot_frame_an_honest_replica(corpus):
