@@ -53,7 +53,9 @@ PROFILES: dict[str, dict[str, dict]] = {
 
 # CPU seconds one global step of one run takes here (2 otherwise idle cores, one run per core), measured with
 # `bench detection`; the upfront estimate of a benchmark's time is built from them
-STEP_SECONDS = {"quick": 0.45, "full": 1.5}
+# (full: 1.5 before issue 12's linear-time statistics; 0.34-0.4 since, measured 2026-12-04: 1,000 honest steps in
+# 340 s, and a sweep of 17 runs in 13 min where 1.5 had promised 57)
+STEP_SECONDS = {"quick": 0.45, "full": 0.4}
 
 
 @dataclass(frozen=True)
