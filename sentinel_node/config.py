@@ -136,6 +136,9 @@ AUDIT_FIELDS = frozenset(
     }
 )
 
+# the trainer's loss gate (sentinel_node/verification/excess.py): not a boundary monitor's settings either
+LOSS_GATE_FIELDS = frozenset({"loss_gate", "loss_gate_agree", "loss_gate_warmup"})
+
 
 class VerificationConfig(_Strict):
     """SENTINEL's knobs (docs/architecture.md section 3); defaults are the paper's where it gives one."""
@@ -244,6 +247,19 @@ class VerificationConfig(_Strict):
     audit_queue: int = Field(8, ge=1, description="audits a verifier holds at once; further draws are dropped")
     audit_cache_mib: float = Field(64.0, gt=0, description="MiB of relayed tensors a verifier keeps for audits")
     audit_refusal_limit: int = Field(3, ge=1, description="audit requests an auditor refuses in a row for a strike")
+    # the trainer's loss gate (sentinel_node/verification/excess.py; docs/decisions.md, "The loss gate")
+    loss_gate: float = Field(
+        4.0,
+        ge=0,
+        description="robust deviations by which a microbatch's loss may exceed what its text predicts before its "
+        "update is held back and it is sent again on other replicas (0: off)",
+    )
+    loss_gate_agree: float = Field(
+        0.05, ge=0, description="log-loss margin within which a third attempt does no worse than the held ones"
+    )
+    loss_gate_warmup: int = Field(
+        64, ge=8, description="applied microbatches the trainer fits its loss prediction on before it gates"
+    )
 
     def monitor_settings(self, direction: Literal["activation", "gradient"], seed: int, boundary: int | None = None):
         """Plain settings for one boundary monitor (the verification core does not import pydantic). The rows'
@@ -255,6 +271,7 @@ class VerificationConfig(_Strict):
             exclude={"beta_act", "beta_grad", "floors", "fence_spaces", "replacement", "gradient_replacement"}
             | {"opposed_from_boundary"}  # it decides `metrics` below
             | AUDIT_FIELDS
+            | LOSS_GATE_FIELDS
         )
         values["fence_spaces"] = {**DEFAULT_FENCE_SPACES, **self.fence_spaces}
         values["replacement"] = self.replacement if direction == "activation" else self.gradient_replacement
@@ -264,6 +281,12 @@ class VerificationConfig(_Strict):
         unjudged = () if shared else ACTIVATION_ONLY
         metrics = tuple(name for name in METRICS if name not in unjudged)
         return MonitorSettings(beta=beta, seed=seed, metrics=metrics, **values)
+
+    def gate_settings(self):
+        """The loss gate's settings as the verification core takes them."""
+        from sentinel_node.verification.excess import GateSettings
+
+        return GateSettings(k=self.loss_gate, agree=self.loss_gate_agree, warmup=self.loss_gate_warmup)
 
     def audit_tolerances(self):
         """The audit tolerances as the verification core takes them."""

@@ -61,10 +61,18 @@ class AuditCase:
 
 def assemble(stage: int, n_stages: int, below: Crossing | None, above: Crossing | None) -> AuditCase | None:
     """The case for ``stage`` from the crossing at its input boundary (``below``) and at its output boundary
-    (``above``); None when a needed half is missing, tainted, unsettled or not of the same stage replica."""
+    (``above``); None when a needed half is missing, tainted, unsettled or not of the same stage replica.
+
+    A microbatch the trainer's loss gate held back (its crossings ``held``) had no backward pass: its case is the
+    forward half alone (the output claimed for the input), and the last stage, which sends no output, has none."""
     first, last = stage == 0, stage == n_stages - 1
     halves = ([] if first else [below]) + ([] if last else [above])
-    if any(c is None or not c.settled or c.tainted or c.gradient is None for c in halves):
+    if any(c is None or not c.settled or c.tainted for c in halves):
+        return None
+    held = any(c.held for c in halves)
+    if held and (last or not all(c.held for c in halves)):
+        return None
+    if not held and any(c.gradient is None for c in halves):
         return None
     if first:
         if above.tokens is None:
@@ -76,8 +84,10 @@ def assemble(stage: int, n_stages: int, below: Crossing | None, above: Crossing 
             return None
     digests: dict[str, str] = {"input": (above.digest("tokens") if first else below.digest("activation"))}
     if not last:
-        digests["output"], digests["grad_output"] = above.digest("activation"), above.digest("gradient")
-    if not first:
+        digests["output"] = above.digest("activation")
+        if not held:
+            digests["grad_output"] = above.digest("gradient")
+    if not first and not held:
         digests["grad_input"] = below.digest("gradient")
     crossing = above if first else below
     return AuditCase(
@@ -86,9 +96,11 @@ def assemble(stage: int, n_stages: int, below: Crossing | None, above: Crossing 
         stage=stage,
         audited=audited,
         inputs=inputs,
-        grad_output=None if last else above.gradient,
+        grad_output=None if last or held else above.gradient,
         targets=below.targets if last else None,
-        claimed=Work(output=None if last else above.activation, grad_input=None if first else below.gradient),
+        claimed=Work(
+            output=None if last else above.activation, grad_input=None if first or held else below.gradient
+        ),
         digests=digests,
     )
 

@@ -112,7 +112,8 @@ def recompute(
 ) -> Work:
     """The stage's output and input gradient for ``inputs`` with ``params`` in place of the module's own: stage 0
     returns its output only; a middle stage both (given ``grad_output``); the last stage the gradient of the loss
-    on ``targets`` for its input. Stage 0 also returns its token embeddings, what its layers add to. Returned tensors
+    on ``targets`` for its input. A middle stage without ``grad_output`` returns its output only (the forward half of
+a microbatch the trainer's loss gate held back). Stage 0 also returns its token embeddings, what its layers add to. Returned tensors
     are float32 on the CPU."""
     device = next(iter(params.values())).device
     inputs = inputs.to(device)
@@ -131,8 +132,8 @@ def recompute(
             loss = module.loss(output, targets.to(device))
             (grad,) = torch.autograd.grad(loss, inputs)
             return Work(grad_input=grad.detach().float().cpu())
-        if grad_output is None:
-            raise ValueError("a middle stage recomputes its input gradient from the output gradient")
+        if grad_output is None:  # a microbatch held back before its backward pass: its output is all there is
+            return Work(output=output.detach().float().cpu())
         (grad,) = torch.autograd.grad(output, inputs, grad_output.to(device=device, dtype=output.dtype))
         return Work(output=output.detach().float().cpu(), grad_input=grad.detach().float().cpu())
 

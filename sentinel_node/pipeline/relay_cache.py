@@ -35,6 +35,7 @@ class Crossing:
     gradient: torch.Tensor | None = None
     settled: bool = False  # the gradient went back to the sender: the microbatch is complete on both sides
     tainted: bool = False  # some verifier replaced or dropped one of its tensors: nothing here is the stages' own
+    held: bool = False  # the trainer's loss gate held the microbatch back: no gradient, the forward half is all
     _digests: dict[str, str] = field(default_factory=dict, repr=False)
 
     @property
@@ -90,6 +91,14 @@ class RelayCache:
         crossing = self._crossings.get((microbatch, boundary))
         if crossing is not None:
             crossing.settled, crossing.tainted = True, tainted
+        return crossing
+
+    def hold(self, microbatch: str, boundary: int, receiver: str) -> Crossing | None:
+        """The microbatch was held back by the trainer's loss gate after ``receiver`` (the next stage's replica)
+        took its activation: no gradient will come, and the forward half is complete (None if evicted)."""
+        crossing = self._crossings.get((microbatch, boundary))
+        if crossing is not None and crossing.gradient is None:
+            crossing.receiver, crossing.settled, crossing.held = receiver, True, True
         return crossing
 
     def get(self, microbatch: str, boundary: int) -> Crossing | None:

@@ -135,13 +135,25 @@ class StageWorker:
         self, microbatch: str, inputs: torch.Tensor, targets: torch.Tensor
     ) -> tuple[float, torch.Tensor | None]:
         """Last stage: the loss and the gradient for the stage's input; accumulates this stage's gradients."""
+        loss = self.forward_loss(microbatch, inputs, targets)
+        return loss, self.backward_loss(microbatch)
+
+    def forward_loss(self, microbatch: str, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Last stage: the loss of a microbatch, its graph kept for `backward_loss` (or `discard`: a microbatch
+        held back by the trainer's loss gate teaches no stage anything)."""
         self.forward(microbatch, inputs)
         inputs, logits = self._pending.pop(microbatch)
         loss = self.module.loss(logits, targets.to(self.device))
+        self._pending[microbatch] = (inputs, loss)
+        return float(loss.detach())
+
+    def backward_loss(self, microbatch: str) -> torch.Tensor | None:
+        """Last stage: backpropagates the loss `forward_loss` kept; the gradient for the stage's input (None on a
+        stage that is also the first)."""
+        inputs, loss = self._pending.pop(microbatch)
         loss.backward()
         self.accumulated += 1
-        grad = self._to_wire(inputs.grad) if inputs.grad is not None else None
-        return float(loss.detach()), grad
+        return self._to_wire(inputs.grad) if inputs.grad is not None else None
 
     def backward(self, microbatch: str, grad_output: torch.Tensor) -> torch.Tensor | None:
         """Accumulates gradients for `microbatch`; returns the gradient for the stage's input (None on stage 0).

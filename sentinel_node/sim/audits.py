@@ -51,6 +51,8 @@ class AuditStats:
     contradicted: Counter = field(default_factory=Counter)  # honest auditor -> recomputations two others contradicted
     # honest -> audits drawn while only the evidence of higher losses made the replica a suspect
     loss_suspect_draws: Counter = field(default_factory=Counter)
+    # honest -> audits drawn on microbatches the trainer's loss gate held back
+    held_draws: Counter = field(default_factory=Counter)
 
     def summary(self) -> dict:
         def count(honest: bool) -> dict[str, int]:
@@ -78,6 +80,7 @@ class AuditStats:
             "honest_audits": sum(honest.values()),
             "honest_failed_first": self.first_failed[True],
             "loss_suspect_draws": dict(honest=self.loss_suspect_draws[True], malicious=self.loss_suspect_draws[False]),
+            "held_draws": dict(honest=self.held_draws[True], malicious=self.held_draws[False]),
             "honest_auditors_contradicted": self.contradicted[True],
             "incomparable": self.incomparable,
             "no_auditor": self.no_auditor,
@@ -140,18 +143,18 @@ class MeshAudits:
         cache.answer(name, boundary, receiver, gradient)
         cache.completed(receiver, step)
 
-    def settled(self, step: int, name: str, route, tainted: bool, loss: float | None = None) -> None:
-        """The microbatch completed on every stage of ``route`` with ``loss``: each verifier settles it, adds the
-        loss to the evidence about the replicas it audits, and draws audits."""
+    def settled(
+        self, step: int, name: str, route, tainted: bool, loss: float | None = None, expected: float | None = None
+    ) -> None:
+        """The microbatch completed on every stage of ``route`` with ``loss`` (its text predicted ``expected``):
+        each verifier settles it, adds the loss to the evidence about the replicas it audits, and draws audits."""
         for station in self.stations:
             crossing = station.cache.settle(name, station.boundary, tainted)
             if station.boundary == 0 and crossing is not None:
                 station.cache.completed(crossing.sender, step)  # stage 0's backward ran once it got its gradient
         if tainted:
             return
-        for stage in range(len(route)):
-            station = self.stations[max(0, stage - 1)]
-            station.losses[stage].observe(route[stage].id, loss)
+        self._observe_losses(route, loss, expected)
         for stage in range(len(route)):
             station = self.stations[max(0, stage - 1)]
             strikes, audited = station.judge.strikes, route[stage].id
@@ -161,6 +164,27 @@ class MeshAudits:
                 if by_loss:
                     self.stats.loss_suspect_draws[not self.mesh.worker(audited).malicious] += 1
                 self.audit(station, stage, name)
+
+    def held(self, step: int, name: str, route, tainted: bool, loss: float, expected: float | None) -> None:
+        """The trainer's loss gate held the microbatch back after its forward pass: no gradient came back, so each
+        verifier closes the forward half of its crossing; the loss is evidence about every replica of the route,
+        and every stage that sent an output is audited on it as a suspect is (the gate saw damage; an audit says
+        whose)."""
+        for station in self.stations:
+            station.cache.hold(name, station.boundary, route[station.boundary + 1].id)
+        if tainted:
+            return
+        self._observe_losses(route, loss, expected)
+        for stage in range(len(route) - 1):
+            station = self.stations[max(0, stage - 1)]
+            if station.draw(suspect=True):
+                self.stats.held_draws[not self.mesh.worker(route[stage].id).malicious] += 1
+                self.audit(station, stage, name)
+
+    def _observe_losses(self, route, loss: float | None, expected: float | None) -> None:
+        for stage in range(len(route)):
+            station = self.stations[max(0, stage - 1)]
+            station.losses[stage].observe(route[stage].id, loss, expected)
 
     def _suspect(self, worker: str, station: Station, stage: int) -> bool:
         """Whether any verifier holds a strike against ``worker`` (as a node reads the others' strike records), or

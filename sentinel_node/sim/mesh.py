@@ -10,6 +10,7 @@ verifier, as a swarm does with `trusted_verifiers` and a quorum of one).
 from __future__ import annotations
 
 import copy
+import math
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from sentinel_node.pipeline import BoundaryVerifier, StageWorker
 from sentinel_node.sim.audits import MeshAudits
 from sentinel_node.sim.stats import DetectionStats
 from sentinel_node.verification import Verdict, content_of
+from sentinel_node.verification.excess import Expectation, ExcessLoss
 
 Target = Literal["activation", "gradient", "both"]
 
@@ -181,6 +183,10 @@ class Mesh:
         self._tainted: set[int] = set()
         self._senders: dict[int, set[str]] = {}
         self._dropped_from: str | None = None  # the sender of the activation a verifier dropped, this attempt
+        self._held: list[SimWorker] | None = None  # the route of this attempt, when the loss gate held it back
+        # the trainer's loss gate: it learns the text and the losses in every run, and gates where verification is on
+        self.excess = ExcessLoss(config.model.vocab_size, config.verification.gate_settings())
+        self.held = 0  # attempts held back by the loss gate
         self.excluded: dict[str, tuple[int, int]] = {}
         self.rejoin = config.sim.rejoin
         self.lives: dict[str, Life] = {}  # identity -> its life, for malicious replicas once the attack starts
@@ -315,23 +321,41 @@ class Mesh:
 
     def _microbatch(self, step: int, name: str, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """One microbatch through a route; one whose activation a verifier dropped goes again on a route that
-        avoids that activation's sender, as the trainer sends it again (``roles.trainer``, up to its attempts)."""
+        avoids that activation's sender, and one the loss gate held back on a route that avoids every replica of the
+        held one, as the trainer sends them again (``roles.trainer``, up to its attempts)."""
         avoid: set[str] = set()
+        expectation = self.excess.expect(inputs, targets)
+        best_held: float | None = None
         for attempt in range(ATTEMPTS):
             self._relayed, self._tainted, self._senders = {}, set(), {}
-            self._dropped_from = None
-            loss = self._through(step, name if attempt == 0 else f"{name}.{attempt}", inputs, targets, avoid)
+            self._dropped_from, self._held = None, None
+            ceiling = self.excess.ceiling(expectation, best_held, attempt) if self.verify else None
+            attempt_name = name if attempt == 0 else f"{name}.{attempt}"
+            loss = self._through(step, attempt_name, inputs, targets, avoid, ceiling, expectation)
             senders = {boundary: tuple(sorted(ids)) for boundary, ids in self._senders.items()}
             self.agreement.settled(self._relayed, self._tainted, senders)
             for quiet in self.agreement.quiet():
                 self.quiet_at.setdefault(quiet.verifier, (step, self.attack_microbatches))
+            self.excess.settled(expectation, loss, applied=self._held is None)
+            if self._held is not None:
+                self.held += 1
+                best_held = loss if best_held is None else min(best_held, loss)
+                avoid.update(worker.id for worker in self._held)
+                continue
             if loss is not None or self._dropped_from is None:
                 return loss
             avoid.add(self._dropped_from)
         return None
 
     def _through(
-        self, step: int, name: str, inputs: torch.Tensor, targets: torch.Tensor, avoid: set[str] = frozenset()
+        self,
+        step: int,
+        name: str,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        avoid: set[str] = frozenset(),
+        ceiling: float | None = None,
+        expectation: Expectation | None = None,
     ) -> float | None:
         route = [self._route(k, name, avoid) for k in range(self.n_stages)]
         if step >= self.attack_start:
@@ -356,7 +380,19 @@ class Mesh:
             hidden = verdict.tensor
             if audits is not None:
                 audits.forward(step, name, k, sender.id, hidden, inputs, targets)
-        loss, grad = route[-1].worker.forward_backward_loss(name, hidden, targets)
+        last = route[-1].worker
+        loss = last.forward_loss(name, hidden, targets)
+        predicted = None if expectation is None else self.excess.predicted(expectation)
+        expected = None if predicted is None else math.exp(predicted)
+        if ceiling is not None and loss > ceiling:
+            # held back by the trainer's loss gate: no stage learns from it, and it goes again on other replicas
+            self._held = route
+            for worker in route:
+                worker.worker.discard(name)
+            if audits is not None:
+                audits.held(step, name, route, tainted, loss, expected)
+            return loss
+        grad = last.backward_loss(name)
         context = StageContext(route[-1].worker.module, hidden, targets)
         for k in range(self.n_stages - 1, 0, -1):
             boundary = k - 1
@@ -375,7 +411,7 @@ class Mesh:
             context = StageContext(route[k - 1].worker.module, grad_output=verdict.tensor)
             grad = route[k - 1].worker.backward(name, verdict.tensor)
         if audits is not None:
-            audits.settled(step, name, route, tainted, loss)
+            audits.settled(step, name, route, tainted, loss, expected)
         return loss
 
     def _drop(self, route: list[SimWorker], name: str) -> None:

@@ -38,12 +38,16 @@ class LossEvidence:
     def enabled(self) -> bool:
         return self.share > 0 and self._ranks.enabled
 
-    def observe(self, replica: str, loss: float | None) -> None:
-        """The loss of one settled microbatch ``replica`` computed; a missing, non-finite or non-positive loss
-        (a malformed report) is ignored."""
+    def observe(self, replica: str, loss: float | None, expected: float | None = None) -> None:
+        """The loss of one microbatch ``replica`` computed, and the loss its text predicts (``expected``, the
+        trainer's :mod:`excess`: what is ranked is then the excess, the text's difficulty taken off); a missing,
+        non-finite or non-positive loss (a malformed report) is ignored, and so is such an ``expected``."""
         if not self.enabled or loss is None or not math.isfinite(loss) or loss <= 0:
             return
-        self._ranks.observe(replica, {"loss": math.log(loss)})
+        excess = math.log(loss)
+        if expected is not None and math.isfinite(expected) and expected > 0:
+            excess -= math.log(expected)
+        self._ranks.observe(replica, {"loss": excess})
 
     def evidence(self, replica: str) -> float:
         return self._ranks.evidence(replica)
