@@ -98,9 +98,7 @@ def assemble(stage: int, n_stages: int, below: Crossing | None, above: Crossing 
         inputs=inputs,
         grad_output=None if last or held else above.gradient,
         targets=below.targets if last else None,
-        claimed=Work(
-            output=None if last else above.activation, grad_input=None if first or held else below.gradient
-        ),
+        claimed=Work(output=None if last else above.activation, grad_input=None if first or held else below.gradient),
         digests=digests,
     )
 

@@ -8,6 +8,7 @@ import torch
 
 from sentinel_node.config import VerificationConfig
 from sentinel_node.verification import BoundaryMonitor, SenderStrikes, Verdict, VerdictKind
+from sentinel_node.verification.excess import LossGate
 
 # senders remembered per monitor, to tell when every one of them has left
 MAX_SENDERS = 64
@@ -19,6 +20,10 @@ class BoundaryVerifier:
     Boundary k sits between stage k and stage k + 1: activations there are sent by stage k replicas, gradients by
     stage k + 1 replicas. With `enabled=False` it is a plain relay (for overhead measurements and undefended runs).
     `dtype` is the swarm's wire dtype (`pipeline.wire_dtype`); `device` where the statistics are computed.
+
+    The verifier of the last boundary also keeps the loss gate (`gate`, :mod:`sentinel_node.verification.excess`)
+    when `gate_boundary` is among its boundaries and the config enables it: it names the last stage the loss above
+    which a microbatch's update is held back.
     """
 
     def __init__(
@@ -32,6 +37,8 @@ class BoundaryVerifier:
         *,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        gate_boundary: int | None = None,
+        vocab: int | None = None,
     ):
         self.enabled = enabled
         self.ledger = SenderStrikes(
@@ -61,6 +68,13 @@ class BoundaryVerifier:
         }
         # the senders each monitor learned from lately (at most MAX_SENDERS, the latest kept)
         self.senders: dict[tuple[int, str], dict[str, None]] = {key: {} for key in self.monitors}
+        gated = gate_boundary is not None and gate_boundary in self.boundaries and vocab is not None
+        self._gate = LossGate(vocab, config.gate_settings()) if gated and config.loss_gate > 0 else None
+
+    @property
+    def gate(self) -> LossGate | None:
+        """The loss gate, where this verifier keeps one and checks (a plain relay gates nothing)."""
+        return self._gate if self.enabled else None
 
     @property
     def boundaries(self) -> list[int]:

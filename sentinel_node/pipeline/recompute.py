@@ -111,10 +111,10 @@ def recompute(
     autocast: contextlib.AbstractContextManager | None = None,
 ) -> Work:
     """The stage's output and input gradient for ``inputs`` with ``params`` in place of the module's own: stage 0
-    returns its output only; a middle stage both (given ``grad_output``); the last stage the gradient of the loss
-    on ``targets`` for its input. A middle stage without ``grad_output`` returns its output only (the forward half of
-a microbatch the trainer's loss gate held back). Stage 0 also returns its token embeddings, what its layers add to. Returned tensors
-    are float32 on the CPU."""
+    returns its output only; a middle stage both (given ``grad_output``; without one, its output only: the forward
+    half of a microbatch the loss gate held back); the last stage the gradient of the loss on ``targets`` for its
+    input. Stage 0 also returns its token embeddings, what its layers add to. Returned tensors are float32 on the
+    CPU."""
     device = next(iter(params.values())).device
     inputs = inputs.to(device)
     first, last = getattr(module, "is_first", False), getattr(module, "is_last", False)

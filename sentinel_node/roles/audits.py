@@ -52,6 +52,7 @@ from sentinel_node.transport import (
     Incoming,
     TensorServer,
     call_peer,
+    expected_bytes,
 )
 from sentinel_node.verification.audit import AuditLedger, AuditOutcome, Drift, Work
 from sentinel_node.verification.losses import LossEvidence
@@ -77,8 +78,14 @@ class StageRecompute:
         self.cpu_s = 0.0  # CPU time of the recomputations (the compute lane's thread)
 
     async def add_handler(self, server: TensorServer) -> None:
+        full = self._expect(RecomputeRequest(deadline=0, microbatch_id="size", step=0))
         await server.add_handler(
-            STAGE_RECOMPUTE, self._serve, RecomputeRequest, authorize=self._admit, expect=self._expect()
+            STAGE_RECOMPUTE,
+            self._serve,
+            RecomputeRequest,
+            authorize=self._admit,
+            expect=self._expect,
+            max_bytes=expected_bytes(full),
         )
 
     def boundaries(self) -> list[int]:
@@ -86,11 +93,13 @@ class StageRecompute:
         stage, n_boundaries = self.node.stage, self.node.n_stages - 1
         return [b for b in (stage - 1, stage) if 0 <= b < n_boundaries]
 
-    def _expect(self):
+    def _expect(self, request: RecomputeRequest):
         shapes, worker = self.node.shapes, self.node.worker
         if worker.is_first:
             return [shapes.tokens]
-        return [shapes.hidden_spec, shapes.tokens if worker.is_last else shapes.hidden_spec]
+        if worker.is_last:
+            return [shapes.hidden_spec, shapes.tokens]
+        return [shapes.hidden_spec] if request.forward_only else [shapes.hidden_spec, shapes.hidden_spec]
 
     async def _admit(self, caller: str, metadata: RecomputeRequest) -> None:
         boundaries = self.boundaries()
@@ -153,7 +162,7 @@ class StageRecompute:
             return worker.recompute(step, tensors[0])
         if worker.is_last:
             return worker.recompute(step, tensors[0], targets=tensors[1])
-        return worker.recompute(step, tensors[0], grad_output=tensors[1])
+        return worker.recompute(step, tensors[0], grad_output=tensors[1] if len(tensors) > 1 else None)
 
 
 class VerifierAudits:
@@ -248,12 +257,19 @@ class VerifierAudits:
         self.cache.completed(receiver, meta.step)
 
     def settled(
-        self, meta: PipelineRequest, boundary: int, taint: list[int], route: list[Hop], loss: float | None = None
+        self,
+        meta: PipelineRequest,
+        boundary: int,
+        taint: list[int],
+        route: list[Hop],
+        loss: float | None = None,
+        expected: float | None = None,
     ) -> None:
         """The gradient goes back to the stage ``boundary`` replica: the microbatch is complete here, with the
-        ``loss`` the last stage reported. Adds the loss to the evidence about the replicas it audits and draws
-        audits of stage ``boundary + 1`` (and of stage 0 on boundary 0); ``route`` holds the hops after the
-        stage ``boundary + 1`` replica (first: the verifier of the next boundary)."""
+        ``loss`` the last stage reported (and the loss its text predicts, ``expected``). Adds the loss to the
+        evidence about the replicas it audits and draws audits of stage ``boundary + 1`` (and of stage 0 on
+        boundary 0); ``route`` holds the hops after the stage ``boundary + 1`` replica (first: the verifier of the
+        next boundary)."""
         if not self.enabled or not meta.train:
             return
         crossing = self.cache.settle(meta.microbatch_id, boundary, tainted=bool(taint))
@@ -268,20 +284,54 @@ class VerifierAudits:
             probation = audited is not None and ledger.on_probation(audited)
             direction = "gradient" if stage == boundary + 1 else "activation"  # what this verifier checks of it
             if audited is not None:
-                self._losses(boundary, stage).observe(audited, loss)
+                self._losses(boundary, stage).observe(audited, loss, expected)
             suspect = audited is not None and (
                 self._suspect(audited, boundary, direction) or self._losses(boundary, stage).suspicious(audited)
             )
             if not self.draw(probation=probation, suspect=suspect):
                 continue
             self.stats["drawn"] += 1
-            if len(self.tasks) >= self.config.audit_queue:
-                self.stats["busy"] += 1  # a verifier short of capacity audits less, it never waits
-                continue
             next_verifier = route[0] if route and stage == boundary + 1 and stage < self.n_stages - 1 else None
-            task = asyncio.create_task(self._audit(stage, meta.microbatch_id, next_verifier))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            self._start(stage, meta.microbatch_id, next_verifier)
+
+    def held(
+        self,
+        meta: PipelineRequest,
+        boundary: int,
+        receiver: str,
+        taint: list[int],
+        loss: float | None,
+        expected: float | None,
+        route: list[Hop],
+    ) -> None:
+        """The last stage held the microbatch's update back (the loss gate): no gradient comes, and the forward half
+        of the crossing, with ``receiver`` (the stage ``boundary + 1`` replica that answered), is all there is. The
+        loss is evidence about the replicas it audits, and each of them that sent an output (stage ``boundary + 1``
+        below the last, stage 0 on boundary 0) is audited on it as a suspect is: the gate saw damage, an audit
+        says whose. ``route``: the hops after the stage ``boundary + 1`` replica."""
+        if not self.enabled or not meta.train:
+            return
+        crossing = self.cache.hold(meta.microbatch_id, boundary, receiver)
+        if crossing is None or crossing.tainted or taint:
+            return
+        stages = [boundary + 1] + ([0] if boundary == 0 else [])
+        for stage in stages:
+            audited = receiver if stage == boundary + 1 else crossing.sender
+            self._losses(boundary, stage).observe(audited, loss, expected)
+            if stage == self.n_stages - 1 or not self.draw(suspect=True):
+                continue  # the last stage sends no output: a forward pass alone leaves nothing of it to check
+            self.stats["drawn"] += 1
+            self.stats["held_drawn"] += 1
+            next_verifier = route[0] if route and stage == boundary + 1 else None
+            self._start(stage, meta.microbatch_id, next_verifier)
+
+    def _start(self, stage: int, microbatch: str, next_verifier: Hop | None) -> None:
+        if len(self.tasks) >= self.config.audit_queue:
+            self.stats["busy"] += 1  # a verifier short of capacity audits less, it never waits
+            return
+        task = asyncio.create_task(self._audit(stage, microbatch, next_verifier))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     # --- the crossing handler
 
@@ -296,7 +346,14 @@ class VerifierAudits:
     async def _serve_crossing(self, incoming: Incoming[CrossingRequest]) -> Answer:
         meta = incoming.metadata
         crossing = self.cache.get(meta.microbatch_id, meta.boundary)
-        if crossing is None or not crossing.settled or crossing.tainted or crossing.gradient is None:
+        if crossing is None or not crossing.settled or crossing.tainted:
+            return Answer([], CrossingReply(found=False))
+        if crossing.held:
+            reply = CrossingReply(
+                found=True, step=crossing.step, sender=crossing.sender, receiver=crossing.receiver, held=True
+            )
+            return Answer([crossing.activation], reply)
+        if crossing.gradient is None:
             return Answer([], CrossingReply(found=False))
         reply = CrossingReply(found=True, step=crossing.step, sender=crossing.sender, receiver=crossing.receiver)
         return Answer([crossing.activation, crossing.gradient], reply)
@@ -375,13 +432,17 @@ class VerifierAudits:
                 logger.debug(f"crossing {microbatch}@{boundary} from {peer}: {e.code}: {e.detail}")
                 continue
             meta = reply.metadata
-            if not meta.found or len(reply.tensors) != 2 or meta.sender is None or meta.receiver is None:
+            if not meta.found or len(reply.tensors) != (1 if meta.held else 2):
                 continue
-            activation, gradient = reply.tensors
-            if tuple(activation.shape) != self.node.shapes.activation or gradient.shape != activation.shape:
+            if meta.sender is None or meta.receiver is None:
+                continue
+            activation, gradient = reply.tensors[0], None if meta.held else reply.tensors[1]
+            if tuple(activation.shape) != self.node.shapes.activation:
+                continue
+            if gradient is not None and gradient.shape != activation.shape:
                 continue
             crossing = Crossing(microbatch, meta.step, boundary, meta.sender, activation, receiver=meta.receiver)
-            crossing.gradient, crossing.settled = gradient, True
+            crossing.gradient, crossing.settled, crossing.held = gradient, True, meta.held
             return crossing
         return None
 
@@ -396,8 +457,12 @@ class VerifierAudits:
             tensors.append(case.grad_output)  # (its handler takes exactly the tensors it uses, transport/server.py)
         if case.targets is not None:
             tensors.append(case.targets)
+        forward_only = case.grad_output is None and 0 < case.stage < self.n_stages - 1  # a held microbatch
         request = RecomputeRequest(
-            deadline=time.time() + self.config.audit_timeout / 2, microbatch_id=case.microbatch, step=case.step
+            deadline=time.time() + self.config.audit_timeout / 2,
+            microbatch_id=case.microbatch,
+            step=case.step,
+            forward_only=forward_only,
         )
         for index, peer in enumerate(candidates):
             try:
@@ -445,6 +510,8 @@ class VerifierAudits:
             return Work(output=tensors[0], embedding=tensors[1]) if len(tensors) == 2 else None
         if case.stage == self.n_stages - 1:
             return Work(grad_input=tensors[0]) if len(tensors) == 1 else None
+        if case.grad_output is None:  # a held microbatch: the output alone
+            return Work(output=tensors[0]) if len(tensors) == 1 else None
         return Work(output=tensors[0], grad_input=tensors[1]) if len(tensors) == 2 else None
 
     # --- what an audit leaves behind

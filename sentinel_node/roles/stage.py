@@ -325,6 +325,7 @@ class StageNode(Node):
             "served": 0,
             "evaluated": 0,
             "dropped": 0,
+            "held": 0,  # the loss gate held the update back
             "failed": 0,
             "attacked": 0,
             "steps": 0,
@@ -553,7 +554,7 @@ class StageNode(Node):
             Sample("sentinel_checkpoints_saved", self.state.saved),
             Sample("sentinel_checkpoint_failures", self.state.failed),
         ]
-        for outcome in ("served", "evaluated", "dropped", "failed"):
+        for outcome in ("served", "evaluated", "dropped", "held", "failed"):
             samples.append(Sample("sentinel_microbatches", self.stats[outcome], (outcome,)))
         for outcome in ("served", "unavailable"):
             samples.append(Sample("sentinel_recomputations", self.recompute.stats[outcome], (outcome,)))
@@ -563,7 +564,7 @@ class StageNode(Node):
         """Announces tokens per CPU second of this replica's compute (what trainers weigh routes by), followed as
         an average over report periods with some work in them; the tokens per second it served (its network
         figure: compute, waiting on peers and idle time together); and its last step."""
-        done = self.stats["served"] + self.stats["evaluated"] + self.stats["dropped"]
+        done = self.stats["served"] + self.stats["evaluated"] + self.stats["dropped"] + self.stats["held"]
         microbatches, cpu_s = done - self._reported[0], self._cpu_s - self._reported[1]
         now = time.monotonic()
         wall_s, self._reported_at = now - self._reported_at, now
@@ -683,7 +684,10 @@ class StageNode(Node):
             return await self._evaluate(meta, inputs, targets)
         key = meta.microbatch_id
         if self.worker.is_last:
-            loss, grad = await self._compute(self._loss_and_grad, key, inputs, targets, meta.step)
+            loss, grad = await self._compute(self._loss_and_grad, key, inputs, targets, meta.step, meta.loss_ceiling)
+            if grad is None:  # the loss gate: nothing learned from it, the trainer sends it again elsewhere
+                self.stats["held"] += 1
+                return Answer([], MicrobatchReply(loss=loss, taint=meta.taint, held=True))
             self.stats["served"] += 1
             return Answer([grad], MicrobatchReply(loss=loss, taint=meta.taint))
         output = await self._compute(self._forward_and_send, key, inputs, meta.step)
@@ -696,9 +700,9 @@ class StageNode(Node):
                     f"{self.shapes.activation}, got {[(tuple(g.shape), str(g.dtype)) for g in gradients]}",
                     peer=reply.peer,
                 )
-            if not gradients:  # a verifier dropped the gradient (or replaced our activation): nothing to learn
-                self.worker.discard(key)
-                self.stats["dropped"] += 1
+            if not gradients:  # a verifier dropped the gradient (or replaced our activation), or the loss gate held
+                self.worker.discard(key)  # the update back: nothing to learn
+                self.stats["held" if reply.metadata.held else "dropped"] += 1
                 return Answer([], reply.metadata)
             grad_input = await self._compute(self._backward_and_send, key, gradients[0], meta.step)
         except BaseException:
@@ -777,9 +781,15 @@ class StageNode(Node):
         return None if grad_input is None else self._send("gradient", grad_input, step, context)
 
     def _loss_and_grad(
-        self, key: str, inputs: torch.Tensor, targets: torch.Tensor, step: int
-    ) -> tuple[float, torch.Tensor]:
-        loss, grad = self.worker.forward_backward_loss(key, inputs, targets)
+        self, key: str, inputs: torch.Tensor, targets: torch.Tensor, step: int, ceiling: float | None = None
+    ) -> tuple[float, torch.Tensor | None]:
+        """The loss and the gradient to send back; no gradient (and nothing accumulated) for a loss that is not at
+        or below the ``ceiling`` the last boundary's verifier named."""
+        loss = self.worker.forward_loss(key, inputs, targets)
+        if ceiling is not None and not loss <= ceiling:
+            self.worker.discard(key)
+            return loss, None
+        grad = self.worker.backward_loss(key)
         return loss, self._send("gradient", grad, step, StageContext(self.worker.module, inputs, targets))
 
     def _eval_forward(self, inputs: torch.Tensor, step: int) -> torch.Tensor:

@@ -83,6 +83,7 @@ class CheckStats:
     skipped: int = 0
     malformed: int = 0
     relayed: int = 0
+    held: int = 0  # microbatches whose update the last stage held back (the loss gate)
     cpu_s: float = 0.0
 
     def count(self, boundary: int, direction: str, flagged: bool, struck: bool) -> None:
@@ -113,6 +114,7 @@ class CheckStats:
             "skipped": self.skipped,
             "malformed": self.malformed,
             "relayed": self.relayed,
+            "held": self.held,
             "check_cpu_s": self.cpu_s,
             "cpu_ms_per_check": 1000 * self.cpu_s / checked if checked else None,
         }
@@ -152,6 +154,8 @@ def run_verifier(
         enabled=settings.verify,
         dtype=shapes.dtype,
         device=device,
+        gate_boundary=n_boundaries - 1,
+        vocab=shapes.vocab,
     )
     if device.type != "cpu":
         logger.info(f"verifier statistics on {device}")
@@ -380,6 +384,7 @@ class VerifierNode(Node):
         samples = [
             Sample("sentinel_microbatches", stats.relayed, ("relayed",)),
             Sample("sentinel_microbatches", stats.malformed, ("malformed",)),
+            Sample("sentinel_microbatches", stats.held, ("held",)),
             Sample("sentinel_peers_banned", len(self.checker.ledger.banned())),
         ]
         for outcome, count in self.audits.ledger.totals().items():
@@ -463,6 +468,12 @@ class VerifierNode(Node):
             next_meta = next_meta.tainted(boundary)
         else:
             self.audits.forwarded(meta, boundary, caller, verdict.tensor, targets)
+        # Only the verifier of the last boundary names the last stage a loss ceiling, and it always sets the field:
+        # a ceiling a stage wrote into the metadata it sent here never reaches the last stage.
+        last = boundary == self.config.pipeline.n_stages - 2
+        gate = self.checker.gate if last and meta.train and not next_meta.taint else None
+        gated = None if gate is None else gate.before(content, targets)
+        next_meta = next_meta.model_copy(update={"loss_ceiling": None if gated is None else gated.ceiling})
         reply = await call_hop(
             self.p2p,
             hop,
@@ -480,29 +491,40 @@ class VerifierNode(Node):
         )
         self.stats.relayed += 1
         taint = sorted({*next_meta.taint, *reply.metadata.taint})
-        loss = reply.metadata.loss
+        loss, held = reply.metadata.loss, reply.metadata.held
+        if gated is not None:
+            gate.after(gated, loss, held)
+            expected = gate.expected(gated)
+        else:
+            expected = reply.metadata.expected
+        back = MicrobatchReply(loss=loss, taint=taint, held=held, expected=expected)
+        if held and meta.train and not verdict.flagged and not reply.tensors:
+            self.stats.held += 1
+            self.audits.held(meta, boundary, reply.peer, taint, loss, expected, next_meta.route)
+            return Answer([], back)
         if not meta.train or verdict.flagged or not reply.tensors:
             # nothing to pass back: a validation pass, our own replacement (its gradient says nothing about the
             # sender's computation), or a gradient dropped further on
-            return Answer([], MicrobatchReply(loss=loss, taint=taint))
+            return Answer([], back)
 
         # more than one tensor is not a gradient: the core flags a non-tensor as malformed
         gradient = reply.tensors[0] if len(reply.tensors) == 1 else None
         verdict = await self._check(boundary, "gradient", gradient, reply.peer, bool(taint), content)
         if verdict.flagged:
             taint = sorted({*taint, boundary})
+            back = back.model_copy(update={"taint": taint})
         if verdict.malformed:
             self.stats.malformed += 1
             logger.warning(
                 f"malformed gradient from {reply.peer} at boundary {boundary}|{boundary + 1}: {verdict.reason}"
             )
-            return Answer([], MicrobatchReply(loss=loss, taint=taint))
+            return Answer([], back)
         if verdict.tensor is None:
-            return Answer([], MicrobatchReply(loss=loss, taint=taint))
+            return Answer([], back)
         if not verdict.flagged:
             self.audits.answered(meta, boundary, reply.peer, verdict.tensor)
-        self.audits.settled(meta, boundary, taint, next_meta.route, loss)
-        return Answer([verdict.tensor], MicrobatchReply(loss=loss, taint=taint))
+        self.audits.settled(meta, boundary, taint, next_meta.route, loss, expected)
+        return Answer([verdict.tensor], back)
 
     async def _check(
         self, boundary: int, direction: str, tensor: torch.Tensor | None, sender: str, tainted: bool, content: int

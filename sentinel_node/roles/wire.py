@@ -31,10 +31,15 @@ class PipelineRequest(MicrobatchMetadata):
     tensor a verifier replaced on the way forward. ``train=False`` is a validation pass: forward and loss only.
 
     ``first_tokens``: the first token of each sequence. Targets are the inputs shifted by one, so with it the
-    verifier of boundary 0|1 knows stage 0's whole input and can have stage 0's work recomputed."""
+    verifier of boundary 0|1 knows stage 0's whole input and can have stage 0's work recomputed.
+
+    ``loss_ceiling``: the loss above which the last stage holds the microbatch's update back (the loss gate,
+    :mod:`sentinel_node.verification.excess`); only the verifier of the last boundary sets it."""
 
     train: bool = True
     first_tokens: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(default_factory=list, max_length=4096)
+    # set by the verifier of the last boundary for the last stage (its caller: no stage can change it on the way)
+    loss_ceiling: float | None = Field(None, gt=0)
 
 
 class StepRequest(RequestMetadata):
@@ -101,6 +106,8 @@ class RecomputeRequest(RequestMetadata):
 
     microbatch_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
     step: int = Field(ge=0)
+    # a microbatch the loss gate held back: a middle stage gets its input alone and recomputes its output alone
+    forward_only: bool = False
 
 
 class RecomputeReply(WireModel):
@@ -126,11 +133,12 @@ class CrossingRequest(RequestMetadata):
 
 
 class CrossingReply(WireModel):
-    """What was relayed (tensors: the activation passed on and the gradient passed back), who sent the activation
-    and who answered with the gradient; ``found=False`` (no tensors) when this verifier holds no settled, untainted
-    crossing of that microbatch any more."""
+    """What was relayed (tensors: the activation passed on and the gradient passed back, or the activation alone when
+    ``held``), who sent the activation and who answered; ``found=False`` (no tensors) when this verifier holds no
+    settled, untainted crossing of that microbatch any more."""
 
     found: bool
     step: int = Field(0, ge=0)
     sender: PeerIdStr | None = None
     receiver: PeerIdStr | None = None
+    held: bool = False  # the loss gate held the microbatch back: the activation alone, no gradient

@@ -10,7 +10,6 @@ verifier, as a swarm does with `trusted_verifiers` and a quorum of one).
 from __future__ import annotations
 
 import copy
-import math
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -28,7 +27,6 @@ from sentinel_node.pipeline import BoundaryVerifier, StageWorker
 from sentinel_node.sim.audits import MeshAudits
 from sentinel_node.sim.stats import DetectionStats
 from sentinel_node.verification import Verdict, content_of
-from sentinel_node.verification.excess import Expectation, ExcessLoss
 
 Target = Literal["activation", "gradient", "both"]
 
@@ -171,6 +169,8 @@ class Mesh:
                     self.seed,
                     verify,
                     dtype=getattr(torch, pipe.wire_dtype),
+                    gate_boundary=self.n_stages - 2,
+                    vocab=config.model.vocab_size,
                 )
                 for _ in range(sim.verifiers_per_boundary)
             ]
@@ -184,8 +184,6 @@ class Mesh:
         self._senders: dict[int, set[str]] = {}
         self._dropped_from: str | None = None  # the sender of the activation a verifier dropped, this attempt
         self._held: list[SimWorker] | None = None  # the route of this attempt, when the loss gate held it back
-        # the trainer's loss gate: it learns the text and the losses in every run, and gates where verification is on
-        self.excess = ExcessLoss(config.model.vocab_size, config.verification.gate_settings())
         self.held = 0  # attempts held back by the loss gate
         self.excluded: dict[str, tuple[int, int]] = {}
         self.rejoin = config.sim.rejoin
@@ -293,6 +291,10 @@ class Mesh:
         """One of `options`, drawn for `key` alone (the same in every run of this seed)."""
         return options[random.Random(":".join(map(str, (self.seed, *key)))).randrange(len(options))]
 
+    def _verifier(self, boundary: int, name: str) -> BoundaryVerifier:
+        """The verifier of ``boundary`` that relays microbatch (attempt) ``name``."""
+        return self.verifiers[boundary][self._choose(range(len(self.verifiers[boundary])), "verifier", boundary, name)]
+
     def _check(
         self,
         boundary: int,
@@ -305,10 +307,9 @@ class Mesh:
         name: str,
         content: int,
     ) -> Verdict:
-        index = self._choose(range(len(self.verifiers[boundary])), "verifier", boundary, name)
-        verifier = self.verifiers[boundary][index]
+        verifier = self._verifier(boundary, name)
         verdict = verifier.check(boundary, direction, tensor, sender.id, tainted, content=content, step=step)
-        self._relayed[boundary] = f"v{boundary}.{index}"
+        self._relayed[boundary] = f"v{boundary}.{self.verifiers[boundary].index(verifier)}"
         self._senders.setdefault(boundary, set()).add(sender.id)
         if verdict.flagged:
             self._tainted.add(boundary)
@@ -324,22 +325,16 @@ class Mesh:
         avoids that activation's sender, and one the loss gate held back on a route that avoids every replica of the
         held one, as the trainer sends them again (``roles.trainer``, up to its attempts)."""
         avoid: set[str] = set()
-        expectation = self.excess.expect(inputs, targets)
-        best_held: float | None = None
         for attempt in range(ATTEMPTS):
             self._relayed, self._tainted, self._senders = {}, set(), {}
             self._dropped_from, self._held = None, None
-            ceiling = self.excess.ceiling(expectation, best_held, attempt) if self.verify else None
-            attempt_name = name if attempt == 0 else f"{name}.{attempt}"
-            loss = self._through(step, attempt_name, inputs, targets, avoid, ceiling, expectation)
+            loss = self._through(step, name if attempt == 0 else f"{name}.{attempt}", inputs, targets, avoid)
             senders = {boundary: tuple(sorted(ids)) for boundary, ids in self._senders.items()}
             self.agreement.settled(self._relayed, self._tainted, senders)
             for quiet in self.agreement.quiet():
                 self.quiet_at.setdefault(quiet.verifier, (step, self.attack_microbatches))
-            self.excess.settled(expectation, loss, applied=self._held is None)
             if self._held is not None:
                 self.held += 1
-                best_held = loss if best_held is None else min(best_held, loss)
                 avoid.update(worker.id for worker in self._held)
                 continue
             if loss is not None or self._dropped_from is None:
@@ -354,8 +349,6 @@ class Mesh:
         inputs: torch.Tensor,
         targets: torch.Tensor,
         avoid: set[str] = frozenset(),
-        ceiling: float | None = None,
-        expectation: Expectation | None = None,
     ) -> float | None:
         route = [self._route(k, name, avoid) for k in range(self.n_stages)]
         if step >= self.attack_start:
@@ -380,19 +373,22 @@ class Mesh:
             hidden = verdict.tensor
             if audits is not None:
                 audits.forward(step, name, k, sender.id, hidden, inputs, targets)
-        last = route[-1].worker
-        loss = last.forward_loss(name, hidden, targets)
-        predicted = None if expectation is None else self.excess.predicted(expectation)
-        expected = None if predicted is None else math.exp(predicted)
-        if ceiling is not None and loss > ceiling:
-            # held back by the trainer's loss gate: no stage learns from it, and it goes again on other replicas
-            self._held = route
-            for worker in route:
-                worker.worker.discard(name)
-            if audits is not None:
-                audits.held(step, name, route, tainted, loss, expected)
-            return loss
-        grad = last.backward_loss(name)
+        # the last boundary's verifier names the loss above which the last stage holds the update back
+        gate = self._verifier(self.n_stages - 2, name).gate if self.n_stages > 1 else None
+        gated = None if gate is None else gate.before(content, targets)
+        expected = None if gate is None else gate.expected(gated)
+        loss = route[-1].worker.forward_loss(name, hidden, targets)
+        if gate is not None:
+            held = gate.holds(gated, loss)
+            gate.after(gated, loss, held)
+            if held:  # no stage learns from it, and it goes again on other replicas
+                self._held = route
+                for worker in route:
+                    worker.worker.discard(name)
+                if audits is not None:
+                    audits.held(step, name, route, tainted, loss, expected)
+                return loss
+        grad = route[-1].worker.backward_loss(name)
         context = StageContext(route[-1].worker.module, hidden, targets)
         for k in range(self.n_stages - 1, 0, -1):
             boundary = k - 1

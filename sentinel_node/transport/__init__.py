@@ -39,7 +39,7 @@ from sentinel_node.transport.messages import (
     RequestMetadata,
     WireModel,
 )
-from sentinel_node.transport.server import Answer, Incoming, TensorServer
+from sentinel_node.transport.server import Answer, Incoming, TensorServer, expected_bytes
 from sentinel_node.transport.settings import TransportSettings
 
 __all__ = [
@@ -66,6 +66,7 @@ __all__ = [
     "RequestMetadata",
     "TensorLimits",
     "TensorServer",
+    "expected_bytes",
     "TensorSpec",
     "TransportSettings",
     "TruncatedStreamError",

@@ -64,10 +64,16 @@ class MicrobatchMetadata(RequestMetadata):
 
 
 class MicrobatchReply(WireModel):
-    """What comes back with a microbatch's answer: its loss once known, and the boundaries found tainted."""
+    """What comes back with a microbatch's answer: its loss once known, and the boundaries found tainted.
+
+    ``held``: the last stage held the update back (its loss was above the ceiling the loss gate named): no gradient
+    comes back, nothing was learned, and the trainer sends the microbatch again on other replicas. ``expected``: the
+    loss its text predicts, as the gate's verifier reckons it (what the loss evidence takes off)."""
 
     loss: float | None = None
     taint: list[int] = Field(default_factory=list, max_length=64)
+    held: bool = False
+    expected: float | None = Field(None, gt=0, allow_inf_nan=False)
 
 
 class Envelope(WireModel):

@@ -38,7 +38,8 @@ O(tokens) per microbatch; a fit of ``window`` points by least squares per settle
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,11 +113,15 @@ class ExcessLoss:
         self._fit: np.ndarray | None = None
         self._origin = 0  # the stream index the fit's progress is measured from (its newest point)
 
-    def expect(self, inputs: torch.Tensor, targets: torch.Tensor) -> Expectation:
-        """Scores a microbatch's text (then learns it): call once per microbatch, before its first attempt."""
-        difficulty = math.log(max(self.text.cross_entropy(inputs, targets), 1e-6))
-        self.text.learn(inputs, targets)
-        self.sent += 1
+    def expect(self, targets: torch.Tensor, learn: bool = True) -> Expectation:
+        """Scores a microbatch's text, its (batch, tokens) ``targets``, by the bigrams within each sequence (then
+        learns them, unless ``learn`` is False: a microbatch seen before)."""
+        targets = targets.reshape(targets.shape[0], -1) if targets.dim() > 1 else targets.reshape(1, -1)
+        before, after = targets[:, :-1], targets[:, 1:]
+        difficulty = math.log(max(self.text.cross_entropy(before, after), 1e-6))
+        if learn:
+            self.text.learn(before, after)
+            self.sent += 1
         return Expectation(difficulty, self.sent)
 
     def predicted(self, expectation: Expectation) -> float | None:
@@ -133,9 +138,9 @@ class ExcessLoss:
             return None
         return math.log(loss) - predicted
 
-    def ceiling(self, expectation: Expectation, best_held: float | None = None, attempt: int = 0) -> float | None:
-        """The loss above which this attempt is held back (None: never). From the third attempt on, a microbatch
-        already held is applied if it does no worse than ``best_held`` (the lowest loss it was held at)."""
+    def ceiling(self, expectation: Expectation, held: Sequence[float] = ()) -> float | None:
+        """The loss above which this attempt is held back (None: never). A microbatch already held twice (its
+        ``held`` losses) is applied if it does no worse than the best of them."""
         if self.settings.k <= 0:
             return None
         predicted = self.predicted(expectation)
@@ -144,8 +149,8 @@ class ExcessLoss:
         q05, q25 = np.percentile(np.fromiter(self.recent, float), [5, 25])
         scale = max((q25 - q05) / (_Z05 - _Z25), self.settings.min_scale)
         limit = math.exp(predicted + q25 + _Z25 * scale + self.settings.k * scale)
-        if attempt >= 2 and best_held is not None:
-            limit = max(limit, best_held * math.exp(self.settings.agree))
+        if len(held) >= 2:
+            limit = max(limit, min(held) * math.exp(self.settings.agree))
         return limit
 
     def settled(self, expectation: Expectation, loss: float | None, applied: bool) -> None:
@@ -175,3 +180,53 @@ class ExcessLoss:
             features = np.stack([self._features(d, int(i)) for d, i, _ in rows])
             self._fit = np.linalg.lstsq(features, rows[:, 2], rcond=None)[0]
         return self._fit
+
+
+@dataclass
+class Gated:
+    """One attempt of a microbatch at the gate: what its text predicts and the loss above which it is held."""
+
+    content: int
+    expectation: Expectation
+    ceiling: float | None
+
+
+class LossGate:
+    """The gate as the verifier of the last boundary keeps it: before it hands a microbatch to the last stage it
+    names the ceiling (:meth:`before`), and when the loss comes back it learns whether the update was applied or
+    held (:meth:`after`). Attempts of one microbatch (the same targets, ``content``) are told apart by the losses
+    it was held at here, at most ``remember`` microbatches' worth."""
+
+    def __init__(self, vocab: int, settings: GateSettings = GateSettings(), remember: int = 4096):
+        self.excess = ExcessLoss(vocab, settings)
+        self.remember = remember
+        self._seen: OrderedDict[int, list[float]] = OrderedDict()  # content -> losses held at here
+
+    @property
+    def settings(self) -> GateSettings:
+        return self.excess.settings
+
+    def before(self, content: int, targets: torch.Tensor) -> Gated:
+        held = self._seen.get(content)
+        expectation = self.excess.expect(targets, learn=held is None)
+        if held is None:
+            held = self._seen[content] = []
+            while len(self._seen) > self.remember:
+                self._seen.popitem(last=False)
+        self._seen.move_to_end(content)
+        return Gated(content, expectation, self.excess.ceiling(expectation, held))
+
+    def expected(self, gated: Gated) -> float | None:
+        """The loss the microbatch's text predicts (None before the fit)."""
+        predicted = self.excess.predicted(gated.expectation)
+        return None if predicted is None else math.exp(predicted)
+
+    def holds(self, gated: Gated, loss: float) -> bool:
+        """Whether the last stage should hold back an attempt that ended with ``loss``."""
+        return gated.ceiling is not None and not (loss <= gated.ceiling)
+
+    def after(self, gated: Gated, loss: float | None, held: bool) -> None:
+        """The attempt ended with ``loss`` (None: none came back), ``held`` back or applied."""
+        self.excess.settled(gated.expectation, loss, applied=not held)
+        if held and loss is not None and math.isfinite(loss) and gated.content in self._seen:
+            self._seen[gated.content].append(loss)
