@@ -32,6 +32,7 @@ ISOLATED = {
     "test_cli",
     "test_device",
     "test_layers",
+    "test_loss_gate",
     "test_model",
     "test_placement",
     "test_plan",

@@ -266,6 +266,36 @@ def test_a_middle_stages_work_is_assembled_from_the_crossings_around_it():
     assert assemble(1, 3, below, above) is None
 
 
+def test_a_held_microbatch_is_the_forward_half_alone_and_the_last_stage_has_no_case():
+    """The loss gate held the microbatch back: no gradient came, the crossings are closed as held (with the replica
+    that took the activation), and a middle stage's case is its output for its input."""
+    cache = RelayCache(max_bytes=1 << 20)
+    for boundary, (sender, seed) in enumerate((("s0", 10), ("A", 20))):
+        cache.open(Crossing("m", 3, boundary, sender, tensor(seed, (2, 8, 16))))
+    assert cache.hold("m", 0, "A").held and cache.hold("m", 1, "s2").held
+    assert cache.hold("gone", 0, "A") is None
+    below, above = cache.get("m", 0), cache.get("m", 1)
+    case = assemble(1, 3, below, above)
+    assert case.audited == "A" and case.grad_output is None and case.claimed.grad_input is None
+    assert torch.equal(case.claimed.output, above.activation) and torch.equal(case.inputs, below.activation)
+    assert set(case.digests) == {"input", "output"}
+    assert assemble(2, 3, above, None) is None  # the last stage sends no output: nothing of it to check
+    assert assemble(1, 3, below, crossing("m", 1, "A", "s2", 20)) is None  # one half held, the other not
+    unanswered = Crossing("n", 3, 0, "s0", tensor(1, (2, 8, 16)))
+    unanswered.settled = True
+    assert assemble(0, 3, None, unanswered) is None  # neither held nor answered: no gradient to compare
+
+
+def test_a_middle_stage_recomputes_the_forward_half_of_a_held_microbatch(config):
+    worker = StageWorker(config.model, config.pipeline, 1, seed=0)
+    x = tensor(6, (2, 8, 16))
+    work, _, drift = worker.recompute(0, x)  # no output gradient: the microbatch had no backward pass
+    assert work.grad_input is None and work.directions() == ("activation",)
+    assert torch.equal(work.output, worker.forward("audited", x))
+    worker.discard("audited")
+    assert drift.steps == 0
+
+
 def test_the_draw_is_a_share_of_settled_microbatches():
     draw = AuditDraw(0.25, seed=1)
     share = sum(draw() for _ in range(4000)) / 4000
@@ -433,9 +463,9 @@ def test_the_mesh_convicts_a_gradient_inverter_that_statistics_miss(corpus):
 
 @pytest.mark.parametrize("loss_evidence", [0.5, 0.0])
 def test_higher_losses_make_a_suspect_whose_audit_convicts_it(corpus, loss_evidence):
-    # the base draw (0.1%) and the peer test's suspicion are off, and the fences stay in warm-up: in 8 attacked
-    # steps only its microbatches' losses, ranked against its peers', can get s1r0 audited
-    config = mesh_config(audit_rate=0.001, suspect_evidence=0.0, loss_evidence=loss_evidence)
+    # the base draw (0.1%), the peer test's suspicion and the loss gate are off, and the fences stay in warm-up: in
+    # 8 attacked steps only its microbatches' losses, ranked against its peers', can get s1r0 audited
+    config = mesh_config(audit_rate=0.001, suspect_evidence=0.0, loss_evidence=loss_evidence, loss_gate=0.0)
     rotate = AttackPlan("plane_rotation", "activation", lambda d: make_attack("plane_rotation", degrees=180))
     result = Mesh(config, corpus, rotate).run(steps=18)
     audits = result.audits
@@ -447,6 +477,36 @@ def test_higher_losses_make_a_suspect_whose_audit_convicts_it(corpus, loss_evide
     else:
         assert audits["loss_suspect_draws"] == {"honest": 0, "malicious": 0}
         assert not result.banned_at
+
+
+@pytest.mark.parametrize("gate", [4.0, 0.0])
+def test_the_loss_gate_holds_a_corrupters_microbatches_and_their_audit_convicts_it(corpus, gate):
+    # The base draw (0.1%), the peer test's suspicion and the loss evidence are off, and the fences stay in warm-up:
+    # only the gate, which holds back what ends far above the loss its text predicts, and the audit of every stage
+    # of a held microbatch (its forward half alone: no gradient ever came) can stop s1r0, which turns its
+    # activations by 180 degrees in 8 planes (+45% on a microbatch's loss, every statistic unmoved).
+    # (From step 16: before it this model has learnt so little that the rotation costs it 1-3%, which no gate needs
+    # to hold, and the gate, which opens after 16 applied microbatches and 8 read excesses, holds none of it.)
+    config = mesh_config(
+        audit_rate=0.001, suspect_evidence=0.0, loss_evidence=0.0, loss_gate=gate, loss_gate_warmup=16
+    ).with_overrides(sim={"attack_start": 16})
+    rotate = AttackPlan("plane_rotation", "activation", lambda d: make_attack("plane_rotation", degrees=180))
+    mesh = Mesh(config, corpus, rotate)
+    result = mesh.run(steps=20)
+    audits = result.audits
+    assert result.malicious == ["s1r0"] and audits["honest"]["convicted"] == 0
+    if not gate:
+        assert mesh.held == 0 and not result.banned_at
+        return
+    assert set(result.banned_at) == {"s1r0"} and result.banned_at["s1r0"][0] <= 17  # within two steps of its start
+    conviction = audits["convictions"][0]
+    assert conviction["digests"].keys() == {"input", "output"}  # a held microbatch: the forward half alone
+    assert conviction["direction"] == "activation" and conviction["error"] > 1
+    assert audits["held_draws"]["malicious"] >= 1
+    assert mesh.held <= audits["held_draws"]["honest"] + audits["held_draws"]["malicious"]
+    # honest replicas audited on held microbatches (those of the attacker's routes, and any honest microbatch held):
+    # a few, and they passed
+    assert audits["held_draws"]["honest"] <= 8 and audits["honest"]["passed"] >= audits["held_draws"]["honest"]
 
 
 def test_a_lying_auditor_cannot_frame_an_honest_replica(corpus):

@@ -457,7 +457,8 @@ class VerifierAudits:
             tensors.append(case.grad_output)  # (its handler takes exactly the tensors it uses, transport/server.py)
         if case.targets is not None:
             tensors.append(case.targets)
-        forward_only = case.grad_output is None and 0 < case.stage < self.n_stages - 1  # a held microbatch
+        # a middle stage's case without an output gradient: a microbatch the loss gate held back
+        forward_only = case.grad_output is None and case.targets is None and case.inputs.is_floating_point()
         request = RecomputeRequest(
             deadline=time.time() + self.config.audit_timeout / 2,
             microbatch_id=case.microbatch,

@@ -86,6 +86,7 @@ class StageStatus(NodeStatus):
     served: int
     evaluated: int
     dropped: int
+    held: int = 0  # microbatches whose update the loss gate held back (it ran no backward pass for them)
     failed: int
     attacked: int
     steps: int
@@ -114,6 +115,7 @@ class VerifierStatus(NodeStatus):
     skipped: int
     malformed: int
     relayed: int
+    held: int = 0  # microbatches whose update the last stage held back (the loss gate), relayed back through here
     check_cpu_s: float
     cpu_ms_per_check: float | None
     audits: dict[str, int] = {}  # recomputation audits by outcome, and what was drawn, dropped, left incomplete
@@ -126,6 +128,7 @@ class AccountingStatus(_Model):
     dropped: int
     failed: int
     retried: int
+    held: int = 0  # attempts the loss gate held back (absent from the status of nodes before it)
     in_flight: int
     consistent: bool
 

@@ -7,8 +7,9 @@ announced throughput); each hop carries alternates, so the peer that calls a hop
 candidate when the first fails before answering. A microbatch whose call still fails comes back here and is
 retried on a new route that avoids the peers that failed it, up to ``max_attempts`` times. So is one whose
 activation a verifier dropped (the route's replica that sent it is avoided): a cheater's flagged tensor then costs
-the swarm a forward pass, not the tokens. A dropped gradient is final, as the stages above it have counted the
-microbatch.
+the swarm a forward pass, not the tokens. So is one whose update the last stage held back because its loss was
+above the ceiling the loss gate named (:mod:`sentinel_node.verification.excess`; every stage replica of the held
+route is avoided). A dropped gradient is final, as the stages above it have counted the microbatch.
 
 Step pacing: when every microbatch of step s has come back (its backward pass is complete on every stage of its
 route), the trainer calls ``sentinel.stage.step(s)`` on every live stage replica, which applies the mean of the
@@ -17,7 +18,7 @@ microbatch's metadata, so a replica that missed a step call applies it before se
 
 Accounting: every training microbatch is sent once and settles exactly once as succeeded (a loss came back),
 dropped (a verifier dropped it by policy, on its last attempt) or failed (no attempt got through); retries are
-counted apart.
+counted apart, and so are the attempts the loss gate held back.
 :class:`Accounting` refuses to settle a microbatch twice.
 
 Validation: every ``eval_every`` steps, fixed validation batches go through the swarm as forward-only
@@ -120,6 +121,7 @@ class Accounting:
     dropped: int = 0
     failed: int = 0
     retried: int = 0
+    held: int = 0  # attempts whose update the last stage held back (the loss gate); retried, or in the end dropped
     outcomes: dict[str, str] = field(default_factory=dict, repr=False)
     _open: set[str] = field(default_factory=set, repr=False)
 
@@ -155,6 +157,7 @@ class Accounting:
             "dropped": self.dropped,
             "failed": self.failed,
             "retried": self.retried,
+            "held": self.held,
             "in_flight": self.in_flight,
             "consistent": self.consistent,
         }
@@ -317,6 +320,7 @@ class TrainerNode(Node):
         ]
         for outcome in ("succeeded", "dropped", "failed"):
             samples.append(Sample("sentinel_microbatches", getattr(accounting, outcome), (outcome,)))
+        samples.append(Sample("sentinel_microbatches", accounting.held, ("held",)))
         if log is not None:
             samples.append(Sample("sentinel_tokens_per_second", log.tokens_per_s))
             if log.loss is not None:
@@ -460,6 +464,17 @@ class TrainerNode(Node):
                         if train:  # validation microbatches are not judged as training ones are
                             self._judged(hops, reply.metadata.taint)
                     losses = [r.metadata.loss for r in results]
+                    if any(r.metadata.held for r in results):
+                        # the loss gate held the update back: no stage learned from it, and sent again on other
+                        # replicas of every stage it counts once (a microbatch held on every attempt is dropped)
+                        outcome = "dropped"
+                        if train:
+                            self.accounting.held += 1
+                        if copies == 1 and attempt + 1 < self.settings.max_attempts:
+                            avoid.update(hop.peer_id for hop in routes[0] if hop.boundary is None)
+                            attempt += 1
+                            continue
+                        break
                     if None in losses:
                         outcome = "dropped"
                         dropped_by = _dropped_sender(routes[0], results[0].metadata.taint) if copies == 1 else None

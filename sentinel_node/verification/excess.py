@@ -7,32 +7,37 @@ they cannot hide is the damage: the microbatches they touch end with a higher lo
 depends mostly on its text (hard and easy text differ by about 7% in log loss on the full profile at step 150),
 which buries what a route added.
 
-The trainer holds the text. So it predicts each microbatch's log loss from a running bigram model of the tokens it
-has sent (the microbatch's bigram cross-entropy under the counts of those before it) and the training's progress,
-fitted on recent microbatches whose updates were applied: log loss = a + b log(bigram cross-entropy) + c t.
-Measured on the full profile (steps 150 and 300, 200 microbatches each): the bigram cross-entropy alone explains
-about 90% of the variance of the model's log loss across microbatches (correlation 0.95-0.96; spread 0.068-0.085
-before, 0.022-0.025 after). What is left, the **excess**, is what the route did: a one-position token shift
-raised it by 0.13-0.25 at step 150, blending in another sequence by 0.27-0.49.
+The verifier of the last boundary relays every microbatch's targets to the last stage and the loss back. So it
+predicts each microbatch's log loss from a running bigram model of the text it has relayed (the microbatch's bigram
+cross-entropy under the counts of those before it) and the training's progress, fitted on recent microbatches whose
+updates were applied: ``log loss = a + b log(bigram cross-entropy) + c t``. Measured on the full profile (steps 150
+and 300, 200 microbatches each): the bigram cross-entropy alone explains about 90% of the variance of the model's
+log loss across microbatches (correlation 0.95-0.96; spread 0.068-0.085 before, 0.022-0.025 after). What is left,
+the **excess**, is what the route did: a one-position token shift raised it by 0.13-0.25 at step 150, blending in
+another sequence by 0.27-0.49.
 
 Two uses:
 
-1. **The gate.** A microbatch whose excess is far above the recent ones (``k`` robust deviations) is held back:
-   the last stage computes its loss but runs no backward pass, so no stage learns from it, and the trainer sends it
-   again on a route that avoids every replica of the held one. A microbatch held on two routes is text the model
-   finds hard, or the whole swarm moved: from the third attempt on, a route that does no worse than the best one
-   before it (within ``agree``) has its update applied, and the residuals it leaves let the gate follow.
-2. **Evidence.** The excess, not the raw loss, is what the loss evidence ranks (:mod:`losses`): a replica whose
-   microbatches keep ending worse than their text predicts is a suspect, audited at once.
+1. **The gate.** With every microbatch it hands the last stage, the verifier names a ceiling: ``k`` robust
+   deviations of excess above the recent ones. The last stage computes the loss; above the ceiling it runs no
+   backward pass and answers that it held the update back, so no stage learns from the microbatch, and the trainer
+   sends it again on a route that avoids every replica of the held one. A microbatch held twice here is text the
+   model finds hard, or the whole swarm moved: a third attempt that does no worse than the best before it (within
+   ``agree``) has its update applied, and the excesses it leaves let the gate follow.
+2. **Evidence.** The excess, not the raw loss, is what the loss evidence ranks (:mod:`losses`); and every stage
+   of a held microbatch is audited on its forward half (:mod:`sentinel_node.pipeline.audits`): the gate saw
+   damage, the audit says whose.
 
 Why a minority cannot open the gate: the fit learns only from applied microbatches, which are at most at the
-ceiling; the ceiling's location and scale come from the low quantiles of recent residuals (the 5th and 25th
+ceiling; the ceiling's location and scale come from the low quantiles of recent excesses (the 5th and 25th
 percentiles), which held microbatches, being high, move only by displacing honest ones: with a share ``e`` of them
 in the window, the 25th percentile reads the honest ``0.25 / (1 - e)`` quantile (the 45th at ``e`` = 0.44, the
 full profile's share of routes through one of its corrupting replicas), half a deviation above where it was.
+What the gate cannot see: an attack on gradients (the loss was computed before the gradient existed) and one that
+does no damage to the microbatch it touches.
 
-Cost: a table of ``buckets`` counts (4 MiB by default; exact for a byte vocabulary, hashed above 1,024 tokens) and
-O(tokens) per microbatch; a fit of ``window`` points by least squares per settled microbatch.
+Cost: a table of ``buckets`` counts (4 MiB at most; exact for a byte vocabulary, hashed above 1,024 tokens) and
+O(tokens) per microbatch; a least-squares fit of ``window`` points per applied microbatch.
 """
 
 from __future__ import annotations
