@@ -126,6 +126,8 @@ AUDIT_FIELDS = frozenset(
         "suspect_audit_rate",
         "suspect_evidence",
         "loss_evidence",
+        "loss_kappa",
+        "loss_limit",
         "audit_tolerance",
         "audit_drift_factor",
         "audit_exact",
@@ -233,8 +235,17 @@ class VerificationConfig(_Strict):
         0.5,
         ge=0,
         le=1,
-        description="share of peer_limit that a stage replica's evidence of higher losses than its peers' (the "
+        description="share of loss_limit that a stage replica's evidence of higher losses than its peers' (the "
         "microbatches it computed, ranked) reaches to make it a suspect; never a strike (0: off)",
+    )
+    loss_kappa: float = Field(
+        0.25,
+        ge=0,
+        description="normal score by which a replica's excess loss may outrank its peers' per microbatch before it "
+        "counts as evidence (the loss evidence's own kappa: a suspicion costs audits, never a strike)",
+    )
+    loss_limit: float = Field(
+        10.0, ge=0, description="the loss evidence's limit: a replica is a suspect at loss_evidence times it"
     )
     audit_tolerance: float = Field(
         0.5, gt=0, description="relative error a claim may always show (of a middle stage's contribution)"

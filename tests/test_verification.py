@@ -1245,10 +1245,12 @@ def test_a_crossing_of_the_opposed_rows_alone_weighs_one_strike_however_far(stre
 
 
 def loss_evidence(**overrides) -> LossEvidence:
+    # ranking raw losses, as a verifier does without the gate's prediction (the loss evidence's kappa of before it,
+    # 1: its own default, 0.25, is set for excesses, whose text is taken off; tests/test_loss_gate.py)
     c = load_config().verification
     values = {
         "pool": c.peer_pool,
-        "kappa": c.peer_kappa,
+        "kappa": 1.0,
         "limit": c.peer_limit,
         "share": c.loss_evidence,
         "max_senders": c.max_senders,

@@ -22,8 +22,8 @@ class BoundaryVerifier:
     `dtype` is the swarm's wire dtype (`pipeline.wire_dtype`); `device` where the statistics are computed.
 
     The verifier of the last boundary also keeps the loss gate (`gate`, :mod:`sentinel_node.verification.excess`)
-    when `gate_boundary` is among its boundaries and the config enables it: it names the last stage the loss above
-    which a microbatch's update is held back.
+    when `gate_boundary` is among its boundaries: it names the last stage the loss above which a microbatch's update
+    is held back (never, with `loss_gate` 0), and the loss each microbatch's text predicts.
     """
 
     def __init__(
@@ -68,8 +68,9 @@ class BoundaryVerifier:
         }
         # the senders each monitor learned from lately (at most MAX_SENDERS, the latest kept)
         self.senders: dict[tuple[int, str], dict[str, None]] = {key: {} for key in self.monitors}
+        # with loss_gate 0 it holds nothing back, and still predicts each microbatch's loss for the loss evidence
         gated = gate_boundary is not None and gate_boundary in self.boundaries and vocab is not None
-        self._gate = LossGate(vocab, config.gate_settings()) if gated and config.loss_gate > 0 else None
+        self._gate = LossGate(vocab, config.gate_settings()) if gated else None
 
     @property
     def gate(self) -> LossGate | None:

@@ -245,7 +245,7 @@ class VerifierAudits:
         key = (boundary, stage)
         if key not in self.losses:
             c = self.config
-            self.losses[key] = LossEvidence(c.peer_pool, c.peer_kappa, c.peer_limit, c.loss_evidence, c.max_senders)
+            self.losses[key] = LossEvidence(c.peer_pool, c.loss_kappa, c.loss_limit, c.loss_evidence, c.max_senders)
         return self.losses[key]
 
     def answered(self, meta: PipelineRequest, boundary: int, receiver: str, gradient: torch.Tensor) -> None:

@@ -115,7 +115,7 @@ class MeshAudits:
             stages = [boundary + 1] + ([0] if boundary == 0 else [])
             losses = {
                 stage: LossEvidence(
-                    config.peer_pool, config.peer_kappa, config.peer_limit, config.loss_evidence, config.max_senders
+                    config.peer_pool, config.loss_kappa, config.loss_limit, config.loss_evidence, config.max_senders
                 )
                 for stage in stages
             }
