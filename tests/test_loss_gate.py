@@ -19,7 +19,6 @@ from sentinel_node import attacks
 from sentinel_node.config import load_config
 from sentinel_node.model import build_stage, load_corpus
 from sentinel_node.model.corpus import sample_batch
-from sentinel_node.config import load_config as load_swarm_config
 from sentinel_node.verification import LossEvidence, content_of
 from sentinel_node.verification.excess import BigramText, ExcessLoss, GateSettings, LossGate
 
@@ -176,7 +175,7 @@ def suspected_share(stream: Stream, seed: int, worse: float = 1.0, expected: boo
     the loss evidence (the config's, or ``kappa``) ranks excesses over the gate's prediction (``expected``) or raw
     losses. Returns the share of honest checks whose replica was then a suspect, and ``d``'s microbatches until it
     was one (None: never)."""
-    c = load_swarm_config().verification
+    c = load_config().verification
     evidence = LossEvidence(c.peer_pool, c.loss_kappa if kappa is None else kappa, c.peer_limit, c.loss_evidence, 64)
     excess = ExcessLoss(256)
     rng = np.random.default_rng(seed)
@@ -202,9 +201,9 @@ def test_excess_losses_make_a_replica_one_sd_worse_a_suspect_sooner_than_raw_los
     """A replica whose microbatches end 3% worse (a shift of about one deviation of the excess, what blending a
     fifth of another sequence in costs the full profile): ranked by excess with the loss evidence's settings it is
     a suspect within 40 of its microbatches; raw losses, whose text varies far more, show it later or never (with
-    the kappa of before, 1). The price of so sensitive a test: honest replicas are suspects for some of their checks (13-19%
-    here, where every microbatch comes from one model; on the full profile's mesh 31 extra audits of honest work in
-    100 steps, docs/decisions.md), which costs audits that pass, never a strike."""
+    the kappa of before, 1). The price of so sensitive a test: honest replicas are suspects for some of their
+    checks (13-19% here, where every microbatch comes from one model; on the full profile's mesh 31 extra audits of
+    honest work in 100 steps, docs/decisions.md), which costs audits that pass, never a strike."""
     for seed in range(4):
         share, found = suspected_share(stream, seed)
         assert share < 0.25, (seed, share)
