@@ -42,6 +42,7 @@ SUMMARY = {
         "dropped": 5,
         "failed": 0,
         "retried": 0,
+        "held": 0,
         "in_flight": 0,
         "consistent": True,
     },

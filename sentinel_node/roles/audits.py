@@ -65,6 +65,8 @@ logger = get_logger(__name__)
 
 # A recompute request waits for the stage's compute lane to go idle at most this long (or half its time).
 IDLE_WAIT_S = 5.0
+# A verifier asks the next one whether a microbatch that came back without a gradient was held, this long at most.
+CONFIRM_TIMEOUT_S = 5.0
 # Evidence of failed audits a verifier keeps for its status file.
 KEPT_EVIDENCE = 16
 
@@ -294,7 +296,7 @@ class VerifierAudits:
             next_verifier = route[0] if route and stage == boundary + 1 and stage < self.n_stages - 1 else None
             self._start(stage, meta.microbatch_id, next_verifier)
 
-    def held(
+    async def unanswered(
         self,
         meta: PipelineRequest,
         boundary: int,
@@ -303,16 +305,48 @@ class VerifierAudits:
         loss: float | None,
         expected: float | None,
         route: list[Hop],
-    ) -> None:
-        """The last stage held the microbatch's update back (the loss gate): no gradient comes, and the forward half
-        of the crossing, with ``receiver`` (the stage ``boundary + 1`` replica that answered), is all there is. The
-        loss is evidence about the replicas it audits, and each of them that sent an output (stage ``boundary + 1``
-        below the last, stage 0 on boundary 0) is audited on it as a suspect is: the gate saw damage, an audit
-        says whose. ``route``: the hops after the stage ``boundary + 1`` replica."""
+        claimed: bool,
+    ) -> bool:
+        """A training microbatch this verifier passed on came back from ``receiver`` (the stage ``boundary + 1``
+        replica that answered) without a gradient: the last stage held its update back (the loss gate), or a verifier
+        further on dropped it. Returns whether it was held, as this verifier can establish it: from the last stage,
+        its word (``claimed``); from any other, what the next verifier on the route (``route[0]``) recorded, since the
+        replica between the two could strip the flag from the reply to keep its own work from being audited; the
+        word of the reply itself is kept too (a verifier that does not audit records nothing to ask). A held
+        microbatch that this verifier can establish is settled here (:meth:`_held`)."""
         if not self.enabled or not meta.train:
-            return
+            return claimed
+        if boundary == self.n_stages - 2:
+            confirmed = claimed and not taint
+        else:
+            below = self.cache.get(meta.microbatch_id, boundary)
+            try:
+                above = await asyncio.wait_for(
+                    self._fetch(meta.microbatch_id, boundary + 1, route[0] if route else None, below),
+                    CONFIRM_TIMEOUT_S,
+                )
+            except asyncio.TimeoutError:
+                above = None
+            confirmed = above is not None and above.held and above.sender == receiver
+        if confirmed:
+            self._held(meta, boundary, receiver, loss, expected, route)
+        return claimed or confirmed
+
+    def _held(
+        self,
+        meta: PipelineRequest,
+        boundary: int,
+        receiver: str,
+        loss: float | None,
+        expected: float | None,
+        route: list[Hop],
+    ) -> None:
+        """The microbatch was held back: the forward half of the crossing is all there is. The loss is evidence
+        about the replicas this verifier audits, and each of them that sent an output (stage ``boundary + 1`` below
+        the last, stage 0 on boundary 0) is audited on it as a suspect is: the gate saw damage, an audit says
+        whose."""
         crossing = self.cache.hold(meta.microbatch_id, boundary, receiver)
-        if crossing is None or crossing.tainted or taint:
+        if crossing is None or crossing.tainted:
             return
         stages = [boundary + 1] + ([0] if boundary == 0 else [])
         for stage in stages:

@@ -498,10 +498,14 @@ class VerifierNode(Node):
         else:
             expected = reply.metadata.expected
         back = MicrobatchReply(loss=loss, taint=taint, held=held, expected=expected)
-        if held and meta.train and not verdict.flagged and not reply.tensors:
-            self.stats.held += 1
-            self.audits.held(meta, boundary, reply.peer, taint, loss, expected, next_meta.route)
-            return Answer([], back)
+        if meta.train and not verdict.flagged and not reply.tensors:
+            # held back by the loss gate, or dropped further on: the flag is what this verifier can establish, not
+            # what the replica that answered says (it could strip the flag to keep its work from being audited)
+            held = await self.audits.unanswered(
+                meta, boundary, reply.peer, taint, loss, expected, next_meta.route, claimed=held
+            )
+            self.stats.held += int(held)
+            return Answer([], back.model_copy(update={"held": held}))
         if not meta.train or verdict.flagged or not reply.tensors:
             # nothing to pass back: a validation pass, our own replacement (its gradient says nothing about the
             # sender's computation), or a gradient dropped further on
