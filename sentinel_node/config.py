@@ -184,6 +184,9 @@ class VerificationConfig(_Strict):
     )
     strike_limit: int = Field(3, ge=1, description="S: strikes at which a sender is banned")
     forgive_after: int = Field(100, ge=1, description="F: clean checks that forgive one strike")
+    forgive_steps: int = Field(
+        50, ge=0, description="global steps without a flag that forgive one strike too (0: clean checks alone)"
+    )
     blatant_severity: float = Field(
         4.0, gt=1, description="a flag this far over its threshold (severity: 1 at the threshold) weighs two strikes"
     )

@@ -573,6 +573,33 @@ def test_ledger_forgives_one_strike_after_f_clean_checks():
     assert (record.checks, record.flags, record.banned) == (23, 2, False)
 
 
+def test_a_sender_checked_rarely_is_forgiven_by_steps_and_one_flagged_often_is_not():
+    """With eight replicas of a stage a replica is checked at a boundary about once in two steps: 100 clean checks
+    took it 200 steps, and an honest replica holding two strikes from just-over crossings at steps 88 and 144 was
+    banned by a third at 298 (the full profile's `token_shift` sweep). Fifty steps without a flag forgive a strike
+    now; a sender flagged within every fifty steps keeps its strikes."""
+    ledger = SenderStrikes(strike_limit=3, forgive_after=100, forgive_steps=50)
+    flags = {88, 144, 298}
+    for step in range(0, 300, 2):  # one check every other step
+        ledger.record("rare", step in flags, step=step, now=step)
+    record = ledger.senders["rare"]
+    assert not record.banned and record.strikes == 1 and record.flags == 3
+    for step in range(300, 400, 2):
+        ledger.record("rare", False, step=step, now=step)
+    assert ledger.senders["rare"].strikes == 0
+    unforgiving = SenderStrikes(strike_limit=3, forgive_after=100)  # checks alone forgive: the ban of before
+    for step in range(0, 400, 2):
+        unforgiving.record("rare", step in flags, step=step, now=step)
+    assert unforgiving.is_banned("rare")
+    for step in range(0, 200, 2):  # a flag every 40 steps: never 50 steps quiet, 3 strikes by step 80
+        ledger.record("often", step % 40 == 0, step=step, now=step)
+    assert ledger.is_banned("often")
+    ledger.record("no-clock", True)
+    for _ in range(99):  # a caller that knows no step forgives by checks alone
+        ledger.record("no-clock", False)
+    assert ledger.senders["no-clock"].strikes == 1
+
+
 def test_ledger_a_flag_restarts_the_clean_streak():
     ledger = SenderStrikes(strike_limit=3, forgive_after=10)
     ledger.record("peer", True)

@@ -48,6 +48,7 @@ class BoundaryVerifier:
             config.blatant_forgive_after,
             config.max_senders,
             config.probation,
+            config.forgive_steps,
         )
 
         def monitor(boundary: int, direction: str) -> BoundaryMonitor:

@@ -493,8 +493,8 @@ class VerifierNode(Node):
         taint = sorted({*next_meta.taint, *reply.metadata.taint})
         loss, held = reply.metadata.loss, reply.metadata.held
         if gated is not None:
+            expected = gate.expected(gated)  # what it predicted before this loss (as the simulator reports it)
             gate.after(gated, loss, held)
-            expected = gate.expected(gated)
         else:
             expected = reply.metadata.expected
         back = MicrobatchReply(loss=loss, taint=taint, held=held, expected=expected)

@@ -87,8 +87,8 @@ class BigramText:
 
 @dataclass(frozen=True)
 class Expectation:
-    """What the trainer knows of a microbatch before it is sent: its text's difficulty (log bigram cross-entropy)
-    and its place in the stream."""
+    """What the gate knows of a microbatch before the last stage computes it: its text's difficulty (the log of its
+    bigram cross-entropy) and its place in the stream."""
 
     difficulty: float
     index: int
@@ -118,15 +118,14 @@ class ExcessLoss:
         self._fit: np.ndarray | None = None
         self._origin = 0  # the stream index the fit's progress is measured from (its newest point)
 
-    def expect(self, targets: torch.Tensor, learn: bool = True) -> Expectation:
-        """Scores a microbatch's text, its (batch, tokens) ``targets``, by the bigrams within each sequence (then
-        learns them, unless ``learn`` is False: a microbatch seen before)."""
+    def expect(self, targets: torch.Tensor) -> Expectation:
+        """Scores a microbatch's text, its (batch, tokens) ``targets``, by the bigrams within each sequence, then
+        learns them: once per microbatch."""
         targets = targets.reshape(targets.shape[0], -1) if targets.dim() > 1 else targets.reshape(1, -1)
         before, after = targets[:, :-1], targets[:, 1:]
         difficulty = math.log(max(self.text.cross_entropy(before, after), 1e-6))
-        if learn:
-            self.text.learn(before, after)
-            self.sent += 1
+        self.text.learn(before, after)
+        self.sent += 1
         return Expectation(difficulty, self.sent)
 
     def predicted(self, expectation: Expectation) -> float | None:
@@ -205,20 +204,23 @@ class LossGate:
     def __init__(self, vocab: int, settings: GateSettings = GateSettings(), remember: int = 4096):
         self.excess = ExcessLoss(vocab, settings)
         self.remember = remember
-        self._seen: OrderedDict[int, list[float]] = OrderedDict()  # content -> losses held at here
+        # content -> its first attempt's expectation, and the losses it was held at here
+        self._seen: OrderedDict[int, tuple[Expectation, list[float]]] = OrderedDict()
 
     @property
     def settings(self) -> GateSettings:
         return self.excess.settings
 
     def before(self, content: int, targets: torch.Tensor) -> Gated:
-        held = self._seen.get(content)
-        expectation = self.excess.expect(targets, learn=held is None)
-        if held is None:
-            held = self._seen[content] = []
+        """The attempt's ceiling. Its text is scored and learnt at its first attempt; a later one keeps that score
+        (scored again, its own bigrams would make it look easier than it is)."""
+        seen = self._seen.get(content)
+        if seen is None:
+            seen = self._seen[content] = (self.excess.expect(targets), [])
             while len(self._seen) > self.remember:
                 self._seen.popitem(last=False)
         self._seen.move_to_end(content)
+        expectation, held = seen
         return Gated(content, expectation, self.excess.ceiling(expectation, held))
 
     def expected(self, gated: Gated) -> float | None:
@@ -234,4 +236,4 @@ class LossGate:
         """The attempt ended with ``loss`` (None: none came back), ``held`` back or applied."""
         self.excess.settled(gated.expectation, loss, applied=not held)
         if held and loss is not None and math.isfinite(loss) and gated.content in self._seen:
-            self._seen[gated.content].append(loss)
+            self._seen[gated.content][1].append(loss)

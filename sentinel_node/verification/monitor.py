@@ -53,6 +53,7 @@ class MonitorSettings:
     warmup_fenced_after: int
     strike_limit: int
     forgive_after: int
+    forgive_steps: int
     blatant_severity: float
     blatant_limit: int
     blatant_forgive_after: int
@@ -218,6 +219,7 @@ class BoundaryMonitor:
                 settings.blatant_forgive_after,
                 settings.max_senders,
                 settings.probation,
+                settings.forgive_steps,
             )
         )
         self.generator = torch.Generator().manual_seed(settings.seed)
@@ -250,7 +252,7 @@ class BoundaryMonitor:
             replacement = self._replace(tensor) if problem else tensor
             return Verdict(VerdictKind.SKIPPED, replacement, problem=problem)
         if problem:
-            return self._flag(tensor, sender, VerdictKind.MALFORMED, problem=problem)
+            return self._flag(tensor, sender, VerdictKind.MALFORMED, problem=problem, now=step)
 
         copied = self._replayed(tensor, sender, content)
         profile = self.profiler.profile(scan)
@@ -258,14 +260,14 @@ class BoundaryMonitor:
         self.peer_reference.observe(sender, profile)
         if reference is None:
             self._accept(profile, {})
-            return self._accepted(tensor, sender, {}, {}, warming_up=True)
+            return self._accepted(tensor, sender, {}, {}, warming_up=True, now=step)
 
         scores = {name: metric(profile, reference) for name, metric in self.metrics.items()}
         limits = {name: self.thresholds[name].threshold() for name in self.metrics}
         severities = {name: self.thresholds[name].severity(scores[name]) for name in self.metrics}
         severity = max(severities.values())
         alarm = self.peers.observe(sender, scores)
-        evidence = dict(scores=scores, limits=limits, severity=severity)
+        evidence = dict(scores=scores, limits=limits, severity=severity, now=step)
         over = self._over(scores, limits, judged_by_peers=median is not None)
         blatant = (
             max((v for name, v in severities.items() if name not in SPIKY), default=0.0)
@@ -290,7 +292,7 @@ class BoundaryMonitor:
             return self._flag(tensor, sender, VerdictKind.PEER, over=(alarm.metric,), peer=alarm, **evidence)
         warming_up = self.warming_up
         self._accept(profile, scores)
-        verdict = self._accepted(tensor, sender, scores, limits, severity, warming_up)
+        verdict = self._accepted(tensor, sender, scores, limits, severity, warming_up, now=step)
         verdict.over, verdict.shared = over, bool(over)
         return verdict
 
@@ -326,8 +328,9 @@ class BoundaryMonitor:
         limits: dict,
         severity: float = 0.0,
         warming_up: bool = False,
+        now: int | None = None,
     ) -> Verdict:
-        record = self.ledger.record(sender, False)
+        record = self.ledger.record(sender, False, now=now)
         return Verdict(
             VerdictKind.ACCEPTED,
             tensor,
@@ -365,11 +368,12 @@ class BoundaryMonitor:
         replay: ReplayMatch | None = None,
         peer: PeerAlarm | None = None,
         step: int | None = None,
+        now: int | None = None,
     ) -> Verdict:
         """`step` only for a lone sender's moderate fence crossings: those of one step are one piece of evidence
         (:meth:`SenderStrikes.record`). A malformed tensor, a replay, a blatant crossing, and a crossing its peers
         do not share are evidence each."""
-        record = self.ledger.record(sender, True, weight=2 if blatant else 1, blatant=blatant, step=step)
+        record = self.ledger.record(sender, True, weight=2 if blatant else 1, blatant=blatant, step=step, now=now)
         if record.banned:
             self.peer_reference.forget(sender)
             self.peers.forget(sender)

@@ -33,6 +33,7 @@ class SenderRecord:
     blatant_streak: int = 0  # clean checks since the last blatant flag or the last forgiven mark
     founder: bool = False  # first heard while the ledger itself was new: never on probation
     struck_step: int | None = None  # the global step of the last strike a non-blatant flag gave
+    quiet_since: int | None = None  # the global step of its last flag, or of its last strike forgiven by time
 
     @property
     def clean(self) -> int:
@@ -41,10 +42,11 @@ class SenderRecord:
 
 
 class SenderStrikes:
-    """Strikes per sender: a flag adds `weight` strikes, `forgive_after` clean checks in a row remove one,
-    `strike_limit` strikes ban. A blatant flag also adds a mark; `blatant_forgive_after` clean checks in a row
-    remove one, `blatant_limit` marks ban. A sender on probation (fewer than `probation` clean checks, and not a
-    founder) is banned by its first blatant flag and forgiven nothing.
+    """Strikes per sender: a flag adds `weight` strikes, `forgive_after` clean checks in a row remove one, and so do
+    `forgive_steps` global steps without a flag (0: checks alone), `strike_limit` strikes ban. A blatant flag also
+    adds a mark; `blatant_forgive_after` clean checks in a row remove one, `blatant_limit` marks ban. A sender on
+    probation (fewer than `probation` clean checks, and not a founder) is banned by its first blatant flag and
+    forgiven nothing.
 
     A ban is final for this ledger: a banned sender is not forgiven by later clean checks. At most `max_senders`
     senders in good standing are remembered (the one heard from longest ago is forgotten first), and as many
@@ -59,8 +61,10 @@ class SenderStrikes:
         blatant_forgive_after: int = 1000,
         max_senders: int = 64,
         probation: int = 0,
+        forgive_steps: int = 0,
     ):
         self.strike_limit, self.forgive_after = strike_limit, forgive_after
+        self.forgive_steps = forgive_steps
         self.probation = probation
         self.recorded = 0  # checks recorded in all, for telling founders from newcomers
         self.blatant_limit, self.blatant_forgive_after = blatant_limit, blatant_forgive_after
@@ -99,7 +103,13 @@ class SenderStrikes:
         return self.probation > 0 and not rec.founder and rec.clean < self.probation
 
     def record(
-        self, sender: str, flagged: bool, weight: int = 1, blatant: bool = False, step: int | None = None
+        self,
+        sender: str,
+        flagged: bool,
+        weight: int = 1,
+        blatant: bool = False,
+        step: int | None = None,
+        now: int | None = None,
     ) -> SenderRecord:
         """Counts one check of `sender`; a flag adds `weight` strikes (and a mark when `blatant`).
 
@@ -107,7 +117,15 @@ class SenderStrikes:
         swarm's step estimate): a flag that is not blatant adds no strike in a step in which one already did. The
         microbatches of one step are computed with the same parameters, so their flags are one piece of evidence,
         not several: an honest replica whose tensors all shift together (a loss spike, an averaging round, the only
-        replica of a stage with no peers to share the shift) is flagged on several of them in a row."""
+        replica of a stage with no peers to share the shift) is flagged on several of them in a row.
+
+        `now` is that step for any check (``step`` is given only where flags of one step count once): a clean
+        check `forgive_steps` or more steps after the sender's last flag (or last strike forgiven so) forgives a
+        strike. Checks alone forgive too slowly where a sender is checked rarely: with eight replicas of a stage a
+        replica is checked at a boundary about once in two steps, so 100 clean checks took 200 steps, and an honest
+        replica of the full profile that crossed a fence just over its threshold at steps 88 and 144 still held both
+        strikes at step 298, when a third just-over crossing banned it (docs/decisions.md, "Strikes are forgiven
+        by time too")."""
         rec = self._record(sender)
         self.recorded += 1
         probation = self._probation(rec)
@@ -115,6 +133,8 @@ class SenderStrikes:
         if flagged:
             rec.flags += 1
             rec.clean_streak = 0
+            if now is not None:
+                rec.quiet_since = now
             repeated = not blatant and step is not None and rec.struck_step == step
             if not rec.banned and not repeated:
                 if not blatant and step is not None:
@@ -133,6 +153,9 @@ class SenderStrikes:
             if rec.clean_streak >= self.forgive_after and rec.strikes > 0:
                 rec.strikes -= 1
                 rec.clean_streak = 0
+            elif self._quiet_long_enough(rec, now):
+                rec.strikes -= 1
+                rec.quiet_since = now
             rec.blatant_streak += 1
             if rec.blatant_streak >= self.blatant_forgive_after and rec.blatant > 0:
                 rec.blatant -= 1
@@ -140,6 +163,11 @@ class SenderStrikes:
         else:
             rec.clean_streak += 1
         return rec
+
+    def _quiet_long_enough(self, rec: SenderRecord, now: int | None) -> bool:
+        if self.forgive_steps <= 0 or now is None or rec.strikes <= 0 or rec.quiet_since is None:
+            return False
+        return now - rec.quiet_since >= self.forgive_steps
 
     def _judge(self, sender: str, rec: SenderRecord) -> None:
         rec.banned = rec.strikes >= self.strike_limit or rec.blatant >= self.blatant_limit
