@@ -386,10 +386,9 @@ def render_strikes(view: SwarmView, config: Config, wide: bool = False) -> str:
     headers += ["AUDITS OK/FAILED", "AGE", "LAST METRICS (score/threshold)"]
     text = table(headers, rows, empty="no strike records about announced peers")
     if rows:
-        text += (
-            f"\nstrike limit {config.verification.strike_limit}; one strike forgiven per "
-            f"{config.verification.forgive_after} clean checks"
-        )
+        v = config.verification
+        quiet = f" or {v.forgive_steps} steps without a flag" if v.forgive_steps else ""
+        text += f"\nstrike limit {v.strike_limit}; one strike forgiven per {v.forgive_after} clean checks{quiet}"
     evidence = [audit_evidence(r) for r in view.ledger if r.audit is not None]
     if evidence:
         text += "\n\nFAILED AUDITS (signed by the verifier that ran them)\n" + "\n".join(evidence)
