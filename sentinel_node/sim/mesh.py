@@ -343,12 +343,7 @@ class Mesh:
         return None
 
     def _through(
-        self,
-        step: int,
-        name: str,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        avoid: set[str] = frozenset(),
+        self, step: int, name: str, inputs: torch.Tensor, targets: torch.Tensor, avoid: set[str] = frozenset()
     ) -> float | None:
         route = [self._route(k, name, avoid) for k in range(self.n_stages)]
         if step >= self.attack_start:
@@ -373,8 +368,9 @@ class Mesh:
             hidden = verdict.tensor
             if audits is not None:
                 audits.forward(step, name, k, sender.id, hidden, inputs, targets)
-        # the last boundary's verifier names the loss above which the last stage holds the update back
-        gate = self._verifier(self.n_stages - 2, name).gate if self.n_stages > 1 else None
+        # the last boundary's verifier names the loss above which the last stage holds the update back (as on the
+        # network, not for a microbatch a verifier replaced a tensor of: its loss is not the route's doing)
+        gate = self._verifier(self.n_stages - 2, name).gate if self.n_stages > 1 and not tainted else None
         gated = None if gate is None else gate.before(content, targets)
         expected = None if gate is None else gate.expected(gated)
         loss = route[-1].worker.forward_loss(name, hidden, targets)
