@@ -263,7 +263,7 @@ class VerificationConfig(_Strict):
     audit_refusal_limit: int = Field(3, ge=1, description="audit requests an auditor refuses in a row for a strike")
     # the trainer's loss gate (sentinel_node/verification/excess.py; docs/decisions.md, "The loss gate")
     loss_gate: float = Field(
-        4.0,
+        6.0,
         ge=0,
         description="robust deviations by which a microbatch's loss may exceed what its text predicts before its "
         "update is held back and it is sent again on other replicas (0: off)",

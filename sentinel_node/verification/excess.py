@@ -96,7 +96,7 @@ class Expectation:
 
 @dataclass(frozen=True)
 class GateSettings:
-    k: float = 4.0  # robust deviations of excess above the recent ones at which a microbatch is held back (0: off)
+    k: float = 6.0  # robust deviations of excess above the recent ones at which a microbatch is held back (0: off)
     agree: float = 0.05  # log-loss margin within which a later attempt does no worse than the best before it
     window: int = 256  # applied microbatches the prediction is fitted on
     residuals: int = 128  # recent excesses the ceiling is read from
