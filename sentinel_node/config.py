@@ -208,6 +208,13 @@ class VerificationConfig(_Strict):
         0.95, gt=0, le=1, description="cosine every sequence of a tensor must reach in a stored one: a near-copy"
     )
     max_senders: int = Field(64, ge=1, description="senders a verifier keeps state for; the oldest is forgotten")
+    passage_floor: float = Field(
+        0.5,
+        ge=0,
+        le=2,
+        description="1 - cosine of a middle stage's input gradient and the output gradient it was given above which "
+        "it is flagged whatever the window says (sentinel_node/verification/passage.py; 0: not judged)",
+    )
     replacement: Literal["ema", "zero", "drop"] = Field(
         "drop", description="what replaces a flagged activation (downstream replicas trained on EMA noise drift)"
     )

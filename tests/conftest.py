@@ -34,6 +34,7 @@ ISOLATED = {
     "test_layers",
     "test_loss_gate",
     "test_model",
+    "test_passage",
     "test_placement",
     "test_plan",
     "test_sim",

@@ -439,11 +439,18 @@ def corpus():
 
 
 def mesh_config(**verification):
-    # statistics that never leave their warm-up, and judge no crossing in it: whatever is caught here, audits caught
+    # statistics that never leave their warm-up, and judge no crossing in it, and no gradient passage: whatever is
+    # caught here, audits caught
     return load_config().with_overrides(
         model={"hidden_size": 32, "intermediate_size": 86, "n_layers": 3},
         pipeline={"n_stages": 3},
-        verification={"warmup": 10**6, "warmup_fenced_after": 0, "audit_rate": 0.5, **verification},
+        verification={
+            "warmup": 10**6,
+            "warmup_fenced_after": 0,
+            "audit_rate": 0.5,
+            "passage_floor": 0.0,
+            **verification,
+        },
         sim={"steps": 24, "attack_start": 10, "replicas": 4, "eval_every": 12, "eval_batches": 1},
     )
 
@@ -507,6 +514,26 @@ def test_the_loss_gate_holds_a_corrupters_microbatches_and_their_audit_convicts_
     # honest replicas audited on held microbatches (those of the attacker's routes, and any honest microbatch held):
     # a few, and they passed
     assert audits["held_draws"]["honest"] <= 8 and audits["honest"]["passed"] >= audits["held_draws"]["honest"]
+
+
+@pytest.mark.parametrize("floor", [0.5, 0.0])
+def test_the_gradient_passage_bans_a_middle_stage_that_sends_gradients_at_the_wrong_tokens(corpus, floor):
+    # The base draw (0.1%), the suspicions and the loss gate are off, and the fences stay in warm-up: only the
+    # passage test (the input gradient of a middle stage against the one its next verifier passed back to it) can
+    # see s1r0 send every gradient shifted by one token, a tensor every statistic finds honest.
+    config = mesh_config(
+        audit_rate=0.001, suspect_evidence=0.0, loss_evidence=0.0, loss_gate=0.0, passage_floor=floor
+    ).with_overrides(sim={"attack_start": 4})
+    shift = AttackPlan("token_shift", "gradient", lambda d: make_attack("token_shift", shift=1))
+    mesh = Mesh(config, corpus, shift)
+    result = mesh.run(steps=12)
+    assert result.malicious == ["s1r0"]
+    honest_flags = sum(c.flags_honest for c in result.timeline)
+    if not floor:
+        assert not result.banned_at
+        return
+    assert set(result.banned_at) == {"s1r0"} and result.banned_at["s1r0"][0] <= 6  # within three steps
+    assert honest_flags == 0 and result.audits["malicious"]["convicted"] == 0  # the passage alone, no audit
 
 
 def test_a_lying_auditor_cannot_frame_an_honest_replica(corpus):

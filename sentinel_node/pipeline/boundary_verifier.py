@@ -91,11 +91,13 @@ class BoundaryVerifier:
         tainted: bool,
         content: int | None = None,
         step: int | None = None,
+        given: torch.Tensor | None = None,
     ) -> Verdict:
         """`content` names the microbatch's tokens (a hash of its targets): two tensors of the same content may be
         near-copies of each other (a retried microbatch, duplicate computation), of different content never. `step`
         is the global step as this verifier knows it (the swarm's estimate, never the sender's word): statistical
-        flags of one step give a sender one strike at most."""
+        flags of one step give a sender one strike at most. `given`, for a gradient: the output gradient its sender
+        was given, which the input gradient must follow through the residual stream."""
         monitor = self.monitors.get((boundary, direction))
         if monitor is None:
             raise KeyError(f"this verifier does not serve boundary {boundary} ({direction})")
@@ -106,7 +108,7 @@ class BoundaryVerifier:
         seen[sender] = None
         while len(seen) > MAX_SENDERS:
             seen.pop(next(iter(seen)))
-        return monitor.check(tensor, sender, tainted=tainted, content=content, step=step)
+        return monitor.check(tensor, sender, tainted=tainted, content=content, step=step, given=given)
 
     def restart_if_replaced(self, boundary: int, direction: str, live: set[str]) -> bool:
         """Starts the monitor of (``boundary``, ``direction``) afresh (a new warm-up) when none of the senders it

@@ -306,9 +306,12 @@ class Mesh:
         step: int,
         name: str,
         content: int,
+        given: torch.Tensor | None = None,
     ) -> Verdict:
         verifier = self._verifier(boundary, name)
-        verdict = verifier.check(boundary, direction, tensor, sender.id, tainted, content=content, step=step)
+        verdict = verifier.check(
+            boundary, direction, tensor, sender.id, tainted, content=content, step=step, given=given
+        )
         self._relayed[boundary] = f"v{boundary}.{self.verifiers[boundary].index(verifier)}"
         self._senders.setdefault(boundary, set()).add(sender.id)
         if verdict.flagged:
@@ -386,6 +389,7 @@ class Mesh:
                 return loss
         grad = route[-1].worker.backward_loss(name)
         context = StageContext(route[-1].worker.module, hidden, targets)
+        given = None  # the last stage's output gradient comes from the loss, not from a verifier
         for k in range(self.n_stages - 1, 0, -1):
             boundary = k - 1
             if boundary == replaced_at:
@@ -393,7 +397,11 @@ class Mesh:
                 self._drop(route[:k], name)
                 return loss
             sent, attacked = route[k].send("gradient", grad, step, context)
-            verdict = self._check(boundary, "gradient", sent, route[k], attacked, tainted, step, name, content)
+            # a middle stage's gradient is judged against the one the next verifier passed back to it (passage.py)
+            verdict = self._check(
+                boundary, "gradient", sent, route[k], attacked, tainted, step, name, content, given=given
+            )
+            given = verdict.tensor
             tainted = tainted or verdict.tainted
             if verdict.tensor is None or tuple(verdict.tensor.shape) != self.shape:
                 self._drop(route[:k], name)

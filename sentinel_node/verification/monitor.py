@@ -23,6 +23,7 @@ import torch
 
 from sentinel_node.verification.baseline import EmaBaseline
 from sentinel_node.verification.metrics import FENCE_ONLY, METRICS, SPIKY
+from sentinel_node.verification.passage import GradientPassage
 from sentinel_node.verification.peers import PeerAlarm, PeerEvidence
 from sentinel_node.verification.profile import Profile, Profiler, Scan
 from sentinel_node.verification.reference import PeerReference
@@ -69,6 +70,7 @@ class MonitorSettings:
     max_senders: int
     replacement: str
     seed: int
+    passage_floor: float = 0.5  # the gradient's passage through the sending stage (passage.py); 0: not judged
     metrics: tuple[str, ...] = tuple(METRICS)  # those judged at this boundary and direction
 
 
@@ -80,10 +82,13 @@ class VerdictKind(Enum):
     METRIC = "metric"  # a statistic over its threshold
     PEER = "peer"  # the sender's recent checks were consistently further from the reference than its peers'
     REPLAY = "replay"  # a near-copy of a recent tensor that carried other tokens
+    PASSAGE = "passage"  # a gradient that does not follow the one its sender was given through the residual stream
     SKIPPED = "skipped"  # not judged: the microbatch was tainted upstream, or verification is off
 
 
-FLAGS = frozenset({VerdictKind.MALFORMED, VerdictKind.METRIC, VerdictKind.PEER, VerdictKind.REPLAY})
+FLAGS = frozenset(
+    {VerdictKind.MALFORMED, VerdictKind.METRIC, VerdictKind.PEER, VerdictKind.REPLAY, VerdictKind.PASSAGE}
+)
 
 
 @dataclass
@@ -144,6 +149,10 @@ class Verdict:
             return f"peer:{self.over[0]} (consistently further from the reference than the other senders)"
         if self.kind is VerdictKind.REPLAY and self.replay is not None:
             return f"replay: a near-copy ({self.replay.similarity:.2f}) of a tensor {self.replay.age} checks ago"
+        if self.kind is VerdictKind.PASSAGE:
+            return "passage: not the gradient it was given, carried through the residual stream" + (
+                " (blatant)" if self.blatant else ""
+            )
         return self.problem
 
     @property
@@ -164,7 +173,8 @@ class BoundaryMonitor:
     from. `content` names the microbatch's tokens (a hash of its targets): near-copies of the same content are
     legitimate (retries, duplicate computation), of other content they are replays. `step` is the global step the
     check falls in, as the caller knows it (not as the sender claims it): a lone sender's moderate flags of one step
-    give it one strike at most.
+    give it one strike at most. `given`, for a gradient, is the output gradient its sender was given (what the next
+    verifier passed back to it): the input gradient must follow it through the residual stream (:mod:`passage`).
     `dtype` is the boundary's wire dtype (float32, bfloat16 or float16): a tensor of another is malformed, the
     statistics are taken in float32 whatever it is, and replacements are made in it. `device` is where the
     statistics are computed (a GPU verifier's); the baseline, the verdicts and the tensors passed on stay on the CPU.
@@ -207,6 +217,7 @@ class BoundaryMonitor:
             ranked, settings.peer_pool, settings.peer_kappa, settings.peer_limit, settings.max_senders
         )
         self.shift = SharedShift(settings.peer_pool)
+        self.passage = GradientPassage(settings.window, settings.fence_k, settings.passage_floor)
         self.sketcher = ReplaySketcher(hidden_size, settings.replay_width, settings.seed)
         self.replays = ReplayStore(settings.replay_keep, settings.replay_similarity)
         self.ledger = (
@@ -245,6 +256,7 @@ class BoundaryMonitor:
         tainted: bool = False,
         content: int | None = None,
         step: int | None = None,
+        given: torch.Tensor | None = None,
     ) -> Verdict:
         problem, scan = self._malformed(tensor)
         if tainted:
@@ -253,6 +265,20 @@ class BoundaryMonitor:
             return Verdict(VerdictKind.SKIPPED, replacement, problem=problem)
         if problem:
             return self._flag(tensor, sender, VerdictKind.MALFORMED, problem=problem, now=step)
+        passage = None if given is None else self.passage.judge(tensor, given)
+        if passage is not None and passage.over:
+            # an input gradient the residual stream cannot have carried from the output gradient it was given
+            return self._flag(
+                tensor,
+                sender,
+                VerdictKind.PASSAGE,
+                scores={"passage": passage.score},
+                limits={"passage": passage.threshold},
+                severity=passage.severity,
+                over=("passage",),
+                blatant=passage.severity >= self.settings.blatant_severity,
+                now=step,
+            )
 
         copied = self._replayed(tensor, sender, content)
         profile = self.profiler.profile(scan)
@@ -292,6 +318,8 @@ class BoundaryMonitor:
             return self._flag(tensor, sender, VerdictKind.PEER, over=(alarm.metric,), peer=alarm, **evidence)
         warming_up = self.warming_up
         self._accept(profile, scores)
+        if passage is not None:
+            self.passage.accept(passage)
         verdict = self._accepted(tensor, sender, scores, limits, severity, warming_up, now=step)
         verdict.over, verdict.shared = over, bool(over)
         return verdict
