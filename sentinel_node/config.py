@@ -215,6 +215,13 @@ class VerificationConfig(_Strict):
         description="1 - cosine of a middle stage's input gradient and the output gradient it was given above which "
         "it is flagged whatever the window says (sentinel_node/verification/passage.py; 0: not judged)",
     )
+    passage_rows: int = Field(
+        128,
+        ge=0,
+        le=65536,
+        description="rows (token positions) of the output gradient a verifier asks the next one for, drawn at random "
+        "each microbatch, to judge the passage on (0: all of them)",
+    )
     replacement: Literal["ema", "zero", "drop"] = Field(
         "drop", description="what replaces a flagged activation (downstream replicas trained on EMA noise drift)"
     )
@@ -291,6 +298,7 @@ class VerificationConfig(_Strict):
         values = self.model_dump(
             exclude={"beta_act", "beta_grad", "floors", "fence_spaces", "replacement", "gradient_replacement"}
             | {"opposed_from_boundary"}  # it decides `metrics` below
+            | {"passage_rows"}  # what a verifier asks for; the monitor judges the rows it is given
             | AUDIT_FIELDS
             | LOSS_GATE_FIELDS
         )

@@ -15,7 +15,9 @@ from sentinel_node.config import load_config
 from sentinel_node.model import build_stage, load_corpus
 from sentinel_node.model.corpus import sample_batch
 from sentinel_node.verification import BoundaryMonitor, VerdictKind
-from sentinel_node.verification.passage import GradientPassage
+from sentinel_node.verification.passage import Given, GradientPassage
+
+ROWS = 128  # of the 512 rows (token positions) of a microbatch: what a verifier asks the next one for
 
 HIDDEN = 32
 SHAPE = (8, 64, HIDDEN)
@@ -70,9 +72,15 @@ def test_an_honest_middle_stage_passes_the_gradient_it_was_given_on(passages):
         for s, g in zip(passages.sent, passages.given, strict=True)
     ]
     assert min(cosines) > 0.5, min(cosines)  # the residual stream: far from anything an attack below leaves
+    rows = torch.Generator().manual_seed(1)
+    sampled = [
+        1 - GradientPassage(32, 5.5, 0.5).judge(s, Given.sample(g, ROWS, rows)).score
+        for s, g in zip(passages.sent, passages.given, strict=True)
+    ]
+    assert min(sampled) > 0.5, min(sampled)  # over a quarter of the rows as well
     checker = monitor()
     for i, (sent, given) in enumerate(zip(passages.sent, passages.given, strict=True)):
-        verdict = checker.check(sent, "honest", given=given, step=i)
+        verdict = checker.check(sent, "honest", given=Given.sample(given, ROWS, rows), step=i)
         assert verdict.kind is not VerdictKind.PASSAGE, (i, verdict.scores)
     assert len(checker.passage.fence.scores) > 100  # it judged, and learnt the honest spread
 
@@ -93,10 +101,13 @@ def test_a_gradient_moved_off_the_residual_stream_is_flagged_and_its_sender_bann
     banned within three, while the honest senders are never flagged by the passage test."""
     checker = monitor()
     flagged, honest_passage_flags = [], 0
+    rows = torch.Generator().manual_seed(2)
     for i, (sent, given) in enumerate(zip(passages.sent, passages.given, strict=True)):
         sender = "abcd"[i % 4]
         attacked = sender == "d" and i >= 80
-        verdict = checker.check(attack(sent) if attacked else sent, sender, given=given, step=i)
+        verdict = checker.check(
+            attack(sent) if attacked else sent, sender, given=Given.sample(given, ROWS, rows), step=i
+        )
         if attacked:
             flagged.append(verdict.kind is VerdictKind.PASSAGE)
         elif verdict.kind is VerdictKind.PASSAGE:
@@ -110,11 +121,17 @@ def test_a_gradient_moved_off_the_residual_stream_is_flagged_and_its_sender_bann
 def test_what_cannot_be_compared_is_not_judged():
     passage = GradientPassage(window=32, k=5.5, floor=0.5)
     g = torch.randn(2, 8, 4)
-    assert passage.judge(g, torch.randn(2, 8, 5)) is None  # another shape
-    assert passage.judge(g, torch.zeros_like(g)) is None
-    assert passage.judge(torch.full_like(g, float("nan")), g) is None
-    assert passage.judge(g, torch.full_like(g, float("inf"))) is None
-    first = passage.judge(g, g)
+    assert passage.judge(g, Given.sample(torch.randn(2, 8, 5), 0)) is None  # another width
+    assert passage.judge(g, Given.sample(torch.randn(2, 9, 4), 0)) is None  # all rows of another length
+    assert passage.judge(g, Given(torch.randn(3, 4), torch.tensor([0, 5, 16]))) is None  # no row 16 in 16
+    assert passage.judge(g, Given(torch.randn(3, 4), torch.tensor([0, 5]))) is None  # values for 3 rows, 2 named
+    assert passage.judge(g, Given.sample(torch.zeros_like(g), 0)) is None
+    assert passage.judge(torch.full_like(g, float("nan")), Given.sample(g, 0)) is None
+    assert passage.judge(g, Given.sample(torch.full_like(g, float("inf")), 0)) is None
+    first = passage.judge(g, Given.sample(g, 0))
     assert first is not None and abs(first.score) < 1e-9 and not first.over  # no fence yet: nothing is over it
+    rows = Given.sample(g, 5, torch.Generator().manual_seed(0))
+    assert rows.rows is not None and len(rows.rows) == 5 and abs(passage.judge(g, rows).score) < 1e-9
+    assert abs(passage.judge(-g, rows).score - 2) < 1e-9  # the same rows of the sent gradient, inverted
     off = GradientPassage(window=32, k=5.5, floor=0.0)
-    assert off.judge(-g, g) is None  # floor 0: the test is off
+    assert off.judge(-g, Given.sample(g, 0)) is None  # floor 0: the test is off

@@ -9,6 +9,7 @@ import torch
 from sentinel_node.config import VerificationConfig
 from sentinel_node.verification import BoundaryMonitor, SenderStrikes, Verdict, VerdictKind
 from sentinel_node.verification.excess import LossGate
+from sentinel_node.verification.passage import Given
 
 # senders remembered per monitor, to tell when every one of them has left
 MAX_SENDERS = 64
@@ -91,13 +92,13 @@ class BoundaryVerifier:
         tainted: bool,
         content: int | None = None,
         step: int | None = None,
-        given: torch.Tensor | None = None,
+        given: Given | None = None,
     ) -> Verdict:
         """`content` names the microbatch's tokens (a hash of its targets): two tensors of the same content may be
         near-copies of each other (a retried microbatch, duplicate computation), of different content never. `step`
         is the global step as this verifier knows it (the swarm's estimate, never the sender's word): statistical
         flags of one step give a sender one strike at most. `given`, for a gradient: the output gradient its sender
-        was given, which the input gradient must follow through the residual stream."""
+        was given (rows of it), which the input gradient must follow through the residual stream."""
         monitor = self.monitors.get((boundary, direction))
         if monitor is None:
             raise KeyError(f"this verifier does not serve boundary {boundary} ({direction})")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from collections import Counter, deque
 from typing import TYPE_CHECKING
@@ -47,6 +48,7 @@ from sentinel_node.transport import (
     Answer,
     Hop,
     HopError,
+    HopMalformed,
     HopRefused,
     HopUnavailable,
     Incoming,
@@ -56,6 +58,7 @@ from sentinel_node.transport import (
 )
 from sentinel_node.verification.audit import AuditLedger, AuditOutcome, Drift, Work
 from sentinel_node.verification.losses import LossEvidence
+from sentinel_node.verification.passage import Given
 
 if TYPE_CHECKING:
     from sentinel_node.roles.stage import StageNode
@@ -67,6 +70,9 @@ logger = get_logger(__name__)
 IDLE_WAIT_S = 5.0
 # A verifier asks the next one whether a microbatch that came back without a gradient was held, this long at most.
 CONFIRM_TIMEOUT_S = 5.0
+# A verifier waits for the rows of the gradient the next verifier passed back this long at most before it judges a
+# middle stage's gradient without them (the backward pass waits on it: a round trip and a few hundred KiB).
+PASSAGE_TIMEOUT_S = 2.0
 # Evidence of failed audits a verifier keeps for its status file.
 KEPT_EVIDENCE = 16
 
@@ -184,6 +190,7 @@ class VerifierAudits:
             config.audit_tolerances(), node.checker.ledger, self.ledger, self.cache.completed_between
         )
         self.tasks: set[asyncio.Task] = set()
+        self.rows = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)  # passage rows
         self.stats = Counter()  # drawn, busy, timed_out, incomplete, incomparable, no_auditor
         self.failures: deque[dict] = deque(maxlen=KEPT_EVIDENCE)
         self.evidence: dict[str, dict] = {}  # accused -> evidence of its last failed audit (for its strike record)
@@ -332,6 +339,60 @@ class VerifierAudits:
             self._held(meta, boundary, receiver, loss, expected, route)
         return claimed or confirmed
 
+    async def passed_back(self, meta: PipelineRequest, boundary: int, receiver: str, route: list[Hop]) -> Given | None:
+        """Rows of the gradient the verifier of ``boundary + 1`` (``route[0]``) passed back to ``receiver``, a middle
+        stage replica whose input gradient this verifier is about to judge (its passage, :mod:`passage`). The rows
+        are drawn here, at random, per microbatch: the stage cannot know which will be compared. None where there is
+        nothing to compare: the last stage (the loss gave it its gradient), no next verifier, audits off (verifiers
+        keep no crossings), a reply that does not come within ``PASSAGE_TIMEOUT_S``, or one about another sender."""
+        if not self.enabled or not meta.train or boundary + 1 >= self.n_stages - 1 or not route:
+            return None
+        if self.node.config.verification.passage_floor <= 0:
+            return None
+        batch, seq, hidden = self.node.shapes.activation
+        n_rows = self.node.config.verification.passage_rows
+        n_rows = batch * seq if n_rows <= 0 else min(n_rows, batch * seq)
+        rows = torch.randperm(batch * seq, generator=self.rows)[:n_rows].sort().values
+        request = CrossingRequest(
+            deadline=time.time() + PASSAGE_TIMEOUT_S,
+            microbatch_id=meta.microbatch_id,
+            boundary=boundary + 1,
+            rows=rows.tolist(),
+        )
+        hop = route[0]
+        for peer in dict.fromkeys([hop.peer_id, *hop.alternates]):
+            if peer == self.node.peer_id:
+                continue
+            try:
+                reply = await asyncio.wait_for(
+                    call_peer(
+                        self.node.p2p,
+                        peer,
+                        VERIFIER_CROSSING,
+                        [],
+                        request,
+                        settings=self.node.transport,
+                        reply_model=CrossingReply,
+                        expect=None,
+                        stream=n_rows * hidden * 4 > self.node.transport.stream_threshold_bytes,
+                        max_reply_bytes=n_rows * hidden * 4,
+                    ),
+                    PASSAGE_TIMEOUT_S,
+                )
+            except (HopError, asyncio.TimeoutError) as e:
+                logger.debug(f"passed-back rows of {meta.microbatch_id}@{boundary + 1} from {peer}: {e!r}")
+                continue
+            found = reply.metadata
+            if not found.found or found.held or found.sender != receiver or len(reply.tensors) != 1:
+                continue  # not relayed there (an alternate relayed it), or not the replica that answered here
+            values = reply.tensors[0]
+            if tuple(values.shape) != (n_rows, hidden) or not values.is_floating_point():
+                continue
+            self.stats["passage_rows"] += 1
+            return Given(values.float(), rows)
+        self.stats["passage_missing"] += 1
+        return None
+
     def _held(
         self,
         meta: PipelineRequest,
@@ -390,6 +451,11 @@ class VerifierAudits:
         if crossing.gradient is None:
             return Answer([], CrossingReply(found=False))
         reply = CrossingReply(found=True, step=crossing.step, sender=crossing.sender, receiver=crossing.receiver)
+        if meta.rows is not None:  # the verifier below judges the passage of the stage between us on these rows
+            flat = crossing.gradient.reshape(-1, crossing.gradient.shape[-1])
+            if max(meta.rows) >= flat.shape[0]:
+                raise HopMalformed(f"rows must index the {flat.shape[0]} rows of the gradient (token positions)")
+            return Answer([flat[torch.tensor(meta.rows)].contiguous()], reply)
         return Answer([crossing.activation, crossing.gradient], reply)
 
     # --- one audit, in the background

@@ -60,7 +60,7 @@ from sentinel_node.transport import (
     check_tensors,
 )
 from sentinel_node.transport.server import expected_bytes
-from sentinel_node.verification import Verdict, content_of
+from sentinel_node.verification import Given, Verdict, content_of
 
 logger = get_logger(__name__)
 
@@ -513,7 +513,9 @@ class VerifierNode(Node):
 
         # more than one tensor is not a gradient: the core flags a non-tensor as malformed
         gradient = reply.tensors[0] if len(reply.tensors) == 1 else None
-        verdict = await self._check(boundary, "gradient", gradient, reply.peer, bool(taint), content)
+        # a middle stage's gradient is judged against rows of the one the next verifier passed back to it
+        given = None if taint else await self.audits.passed_back(meta, boundary, reply.peer, next_meta.route)
+        verdict = await self._check(boundary, "gradient", gradient, reply.peer, bool(taint), content, given)
         if verdict.flagged:
             taint = sorted({*taint, boundary})
             back = back.model_copy(update={"taint": taint})
@@ -531,13 +533,20 @@ class VerifierNode(Node):
         return Answer([verdict.tensor], back)
 
     async def _check(
-        self, boundary: int, direction: str, tensor: torch.Tensor | None, sender: str, tainted: bool, content: int
+        self,
+        boundary: int,
+        direction: str,
+        tensor: torch.Tensor | None,
+        sender: str,
+        tainted: bool,
+        content: int,
+        given: Given | None = None,
     ) -> Verdict:
         # the step as the swarm's replicas announce it (a robust median; the sender's metadata could claim any),
         # counted on while the view stands still (peers.step_clock)
         step = self.step_clock.read(self.views.view.step_estimate(), time.monotonic())
         verdict, cpu_s = await self.lane.run(
-            self._timed_check, boundary, direction, tensor, sender, tainted, content, step
+            self._timed_check, boundary, direction, tensor, sender, tainted, content, step, given
         )
         self.stats.cpu_s += cpu_s
         if verdict.skipped:
@@ -572,9 +581,10 @@ class VerifierNode(Node):
         tainted: bool,
         content: int,
         step: int,
+        given: Given | None = None,
     ) -> tuple[Verdict, float]:
         started = time.thread_time()
-        verdict = self.checker.check(boundary, direction, tensor, sender, tainted, content, step)
+        verdict = self.checker.check(boundary, direction, tensor, sender, tainted, content, step, given)
         return verdict, time.thread_time() - started
 
     def _maybe_publish(self, boundary: int, direction: str, sender: str, verdict: Verdict) -> None:

@@ -126,10 +126,14 @@ class RecomputeReply(WireModel):
 
 
 class CrossingRequest(RequestMetadata):
-    """One verifier asks another for what it relayed across ``boundary`` for a microbatch."""
+    """One verifier asks another for what it relayed across ``boundary`` for a microbatch. With ``rows``, it asks
+    only for those rows (token positions) of the gradient passed back: the verifier below judges the passage of a
+    middle stage on them (:mod:`sentinel_node.verification.passage`), and the reply then holds that one tensor.
+    A verifier from before the field refuses such a request, and the passage is not judged."""
 
     microbatch_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
     boundary: int = Field(ge=0, le=1024)
+    rows: list[Annotated[int, Field(ge=0, lt=2**31)]] | None = Field(None, min_length=1, max_length=65536)
 
 
 class CrossingReply(WireModel):

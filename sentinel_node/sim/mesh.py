@@ -27,6 +27,7 @@ from sentinel_node.pipeline import BoundaryVerifier, StageWorker
 from sentinel_node.sim.audits import MeshAudits
 from sentinel_node.sim.stats import DetectionStats
 from sentinel_node.verification import Verdict, content_of
+from sentinel_node.verification.passage import Given
 
 Target = Literal["activation", "gradient", "both"]
 
@@ -190,6 +191,7 @@ class Mesh:
         self.lives: dict[str, Life] = {}  # identity -> its life, for malicious replicas once the attack starts
         self.stats = DetectionStats()
         self.data_rng = np.random.default_rng([self.seed, 0xDA7A])
+        self._passage_rows = torch.Generator().manual_seed(self.seed + 5)
         self.val_batches = validation_batches(corpus, sim.eval_batches, pipe.microbatch_size, pipe.seq_len, self.seed)
         self.eval_stages = [StageWorker(config.model, pipe, k, seed=self.seed).module for k in range(self.n_stages)]
         self.microbatches = 0
@@ -306,7 +308,7 @@ class Mesh:
         step: int,
         name: str,
         content: int,
-        given: torch.Tensor | None = None,
+        given: Given | None = None,
     ) -> Verdict:
         verifier = self._verifier(boundary, name)
         verdict = verifier.check(
@@ -401,7 +403,12 @@ class Mesh:
             verdict = self._check(
                 boundary, "gradient", sent, route[k], attacked, tainted, step, name, content, given=given
             )
-            given = verdict.tensor
+            # the rows the verifier of this boundary draws when it asks for the gradient it passed back
+            given = (
+                None
+                if verdict.tensor is None
+                else Given.sample(verdict.tensor, self.config.verification.passage_rows, self._passage_rows)
+            )
             tainted = tainted or verdict.tainted
             if verdict.tensor is None or tuple(verdict.tensor.shape) != self.shape:
                 self._drop(route[:k], name)

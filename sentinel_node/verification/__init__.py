@@ -6,7 +6,8 @@ direction (activations forward, gradients backward)::
     monitor = BoundaryMonitor(settings, hidden_size=128, expected_shape=(8, 64, 128), ledger=shared_ledger)
     verdict = monitor.check(tensor, sender="peer-id", tainted=False)
     verdict = monitor.check(tensor, sender="peer-id", content=hash_of_targets)
-    verdict.kind                      # VerdictKind: accepted, malformed, metric, peer, replay or skipped
+    verdict = monitor.check(gradient, sender="peer-id", given=Given.sample(passed_back, 128))  # a middle stage's
+    verdict.kind                      # VerdictKind: accepted, malformed, metric, peer, replay, passage, skipped
     verdict.struck, verdict.over      # whether the sender got a strike; the metrics over their thresholds
     verdict.blatant                   # the flag weighed two strikes (far over a threshold, or a copy)
     verdict.reason                    # for people: "non-finite values", "metric:l2,wasserstein", "peer:norm ..."
@@ -19,16 +20,18 @@ The steps, in the paper's order: :mod:`profile` (reduce a tensor to token-indepe
 :mod:`reference` (the senders' median, which a minority cannot walk), :mod:`baseline` (EMA of accepted profiles,
 the clean replacement, and the reference of a boundary with fewer than three senders), :mod:`metrics` (distances),
 :mod:`thresholds` (Tukey fence over a window of accepted scores), :mod:`peers` (evidence accumulated per sender
-against its peers), :mod:`replay` (sketches that find near-copies), :mod:`losses` (higher losses than its peers'
-make a replica a suspect for audits), :mod:`shift` (a fence crossed by several senders is the boundary moving),
-:mod:`strikes` (violation counter with forgiveness, weighted by the evidence), :mod:`senders` (per-sender state with
-a bound), :mod:`monitor` (all of it for one boundary and direction).
+against its peers), :mod:`replay` (sketches that find near-copies), :mod:`passage` (a middle stage's input gradient
+against the output gradient it was given, which the residual stream carries into it), :mod:`losses` (higher
+losses than its peers' make a replica a suspect for audits), :mod:`shift` (a fence crossed by several senders is
+the boundary moving), :mod:`strikes` (violation counter with forgiveness, weighted by the evidence),
+:mod:`senders` (per-sender state with a bound), :mod:`monitor` (all of it for one boundary and direction).
 """
 
 from sentinel_node.verification.baseline import EmaBaseline
 from sentinel_node.verification.losses import LossEvidence
 from sentinel_node.verification.metrics import METRICS
 from sentinel_node.verification.monitor import REPLACEMENTS, BoundaryMonitor, MonitorSettings, Verdict, VerdictKind
+from sentinel_node.verification.passage import Given, GradientPassage, PassageScore
 from sentinel_node.verification.peers import PeerAlarm, PeerEvidence
 from sentinel_node.verification.profile import Profile, Profiler
 from sentinel_node.verification.reference import PeerReference, median_profile
@@ -44,8 +47,11 @@ __all__ = [
     "AdaptiveThreshold",
     "BoundaryMonitor",
     "EmaBaseline",
+    "Given",
+    "GradientPassage",
     "LossEvidence",
     "MonitorSettings",
+    "PassageScore",
     "PeerAlarm",
     "PeerEvidence",
     "PeerReference",

@@ -23,7 +23,7 @@ import torch
 
 from sentinel_node.verification.baseline import EmaBaseline
 from sentinel_node.verification.metrics import FENCE_ONLY, METRICS, SPIKY
-from sentinel_node.verification.passage import GradientPassage
+from sentinel_node.verification.passage import Given, GradientPassage
 from sentinel_node.verification.peers import PeerAlarm, PeerEvidence
 from sentinel_node.verification.profile import Profile, Profiler, Scan
 from sentinel_node.verification.reference import PeerReference
@@ -173,8 +173,9 @@ class BoundaryMonitor:
     from. `content` names the microbatch's tokens (a hash of its targets): near-copies of the same content are
     legitimate (retries, duplicate computation), of other content they are replays. `step` is the global step the
     check falls in, as the caller knows it (not as the sender claims it): a lone sender's moderate flags of one step
-    give it one strike at most. `given`, for a gradient, is the output gradient its sender was given (what the next
-    verifier passed back to it): the input gradient must follow it through the residual stream (:mod:`passage`).
+    give it one strike at most. `given`, for a gradient, holds rows of the output gradient its sender was given
+    (what the next verifier passed back to it): the input gradient must follow it through the residual stream
+    (:mod:`passage`).
     `dtype` is the boundary's wire dtype (float32, bfloat16 or float16): a tensor of another is malformed, the
     statistics are taken in float32 whatever it is, and replacements are made in it. `device` is where the
     statistics are computed (a GPU verifier's); the baseline, the verdicts and the tensors passed on stay on the CPU.
@@ -256,7 +257,7 @@ class BoundaryMonitor:
         tainted: bool = False,
         content: int | None = None,
         step: int | None = None,
-        given: torch.Tensor | None = None,
+        given: Given | None = None,
     ) -> Verdict:
         problem, scan = self._malformed(tensor)
         if tainted:
@@ -286,6 +287,8 @@ class BoundaryMonitor:
         self.peer_reference.observe(sender, profile)
         if reference is None:
             self._accept(profile, {})
+            if passage is not None:
+                self.passage.accept(passage)
             return self._accepted(tensor, sender, {}, {}, warming_up=True, now=step)
 
         scores = {name: metric(profile, reference) for name, metric in self.metrics.items()}
