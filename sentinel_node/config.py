@@ -209,14 +209,14 @@ class VerificationConfig(_Strict):
     )
     max_senders: int = Field(64, ge=1, description="senders a verifier keeps state for; the oldest is forgotten")
     passage_floor: float = Field(
-        0.5,
+        0.8,
         ge=0,
         le=2,
         description="1 - cosine of a middle stage's input gradient and the output gradient it was given above which "
         "it is flagged whatever the window says (sentinel_node/verification/passage.py; 0: not judged)",
     )
     passage_rows: int = Field(
-        128,
+        256,
         ge=0,
         le=65536,
         description="rows (token positions) of the output gradient a verifier asks the next one for, drawn at random "

@@ -2,11 +2,11 @@
 
 One swarm for the module: a bootstrap, three stages (one replica of stage 0, three of stage 1, one of stage 2), a
 verifier on each boundary and a trainer. From step ATTACK_START one stage 1 replica swaps whole sequences of every
-activation it sends (every statistic of the tensor stays honest; only which sequence carries which content is
-wrong). The verifiers' statistics never leave their warm-up, the base audit draw is 0.1% and neither the peer test
-nor the loss evidence makes suspects: whatever stops the attacker here is the gate of the last boundary's verifier,
-which has the last stage hold back what ends far above the loss its text predicts, and the audit of a held
-microbatch's forward half.
+activation it sends (every statistic of the tensor stays honest; only which sequence carries which content is wrong).
+The verifiers' statistics never leave their warm-up, the base audit draw is 0.1%, the peer test and the gradient
+passage are off and the loss evidence makes no suspects: whatever stops the attacker here is the gate of the last
+boundary's verifier, which has the last stage hold back what ends far above the loss its text predicts, and the audit
+of a held microbatch's forward half.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ def swarm(tmp_path_factory) -> Iterator[GatedSwarm]:
             "audit_rate": 0.001,
             "suspect_evidence": 0.0,
             "loss_evidence": 0.0,
+            "peer_limit": 0.0,
+            "passage_floor": 0.0,
             "loss_gate_warmup": 16,
         },
         swarm={"trusted_verifiers": verifiers, "ban_quorum": 1, "open_verifiers": False, "open_trainers": True},

@@ -17,7 +17,7 @@ from sentinel_node.model.corpus import sample_batch
 from sentinel_node.verification import BoundaryMonitor, VerdictKind
 from sentinel_node.verification.passage import Given, GradientPassage
 
-ROWS = 128  # of the 512 rows (token positions) of a microbatch: what a verifier asks the next one for
+ROWS = 256  # of the 512 rows (token positions) of a microbatch: what a verifier asks the next one for
 
 HIDDEN = 32
 SHAPE = (8, 64, HIDDEN)

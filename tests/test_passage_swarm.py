@@ -1,12 +1,13 @@
 """The gradient passage over libp2p, as real processes on loopback.
 
 One swarm for the module: a bootstrap, three stages (one replica of stage 0, two of stage 1, one of stage 2), a
-verifier on each boundary and a trainer. From step ATTACK_START one stage 1 replica sends every input gradient
-shifted by one token: a tensor every statistic finds honest (the verifiers' statistics never leave their warm-up
-here anyway), whose damage the loss never shows (the loss is taken before the backward pass; the loss gate is off)
-and which the audits, at a base draw of 0.1%, would take hundreds of steps to draw. What stops it is the verifier of
-boundary 0, which asks the verifier of boundary 1 for rows of the gradient it passed back to that replica and finds
-the replica's input gradient unrelated to them: the residual stream carries one into the other in an honest stage.
+verifier on each boundary and a trainer. From step ATTACK_START one stage 1 replica sends every input gradient shifted
+by one token: a tensor every statistic finds honest (the verifiers' statistics never leave their warm-up here anyway,
+and the peer test is off), whose damage the loss never shows (the loss is taken before the backward pass; the loss gate
+is off) and which the audits, at a base draw of 0.1%, would take hundreds of steps to draw. What stops it is the
+verifier of boundary 0, which asks the verifier of boundary 1 for rows of the gradient it passed back to that replica
+and finds the replica's input gradient unrelated to them: the residual stream carries one into the other in an honest
+stage.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def swarm(tmp_path_factory) -> Iterator[PassageSwarm]:
             "suspect_evidence": 0.0,
             "loss_evidence": 0.0,
             "loss_gate": 0.0,
+            "peer_limit": 0.0,
         },
         swarm={"trusted_verifiers": verifiers, "ban_quorum": 1, "open_verifiers": False, "open_trainers": True},
     )
