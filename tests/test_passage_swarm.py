@@ -43,6 +43,7 @@ class PassageSwarm:
     records: list[dict]
     views: dict[str, list[str]]
     dht_view: SwarmView
+    passages: dict[str, int]  # the verifier of boundary 0's passage rows: judged, missing
 
     def peer(self, name: str) -> str:
         return self.local.nodes[name].peer_id
@@ -96,7 +97,9 @@ def swarm(tmp_path_factory) -> Iterator[PassageSwarm]:
         views["trainer"] = local.nodes["trainer"].status().excluded
         with SwarmReader(local.initial_peers, config, timeout=30) as reader:
             dht_view = reader.refresh()
-        yield PassageSwarm(config, local, records, views, dht_view)
+        audits = local.nodes["verifier0"].status().audits
+        passages = {"judged": audits.get("passage_rows", 0), "missing": audits.get("passage_missing", 0)}
+        yield PassageSwarm(config, local, records, views, dht_view, passages)
 
 
 def test_a_gradient_shifter_is_flagged_by_its_passage_and_excluded_everywhere(swarm):
@@ -109,6 +112,13 @@ def test_a_gradient_shifter_is_flagged_by_its_passage_and_excluded_everywhere(sw
     assert record.audit is None and "passage" in record.metrics  # the passage alone, no audit
     # 1 - cos over the fence, and over the floor: a cosine under one half with what it was given
     assert record.metrics["passage"] > max(0.5, record.thresholds["passage"]), (record.metrics, record.thresholds)
+
+
+def test_the_rows_come_from_the_next_verifier_for_nearly_every_gradient(swarm):
+    # every training microbatch's gradient at boundary 0 is a middle stage's: each was judged on rows the verifier
+    # of boundary 1 sent, but those of the shifter after its ban (refused) and a few lost to a stage's failover
+    judged, missing = swarm.passages["judged"], swarm.passages["missing"]
+    assert judged >= 2 * STEPS and missing <= judged // 10, swarm.passages
 
 
 def test_nobody_honest_is_struck_or_excluded_and_training_goes_on(swarm):

@@ -342,7 +342,8 @@ class VerifierAudits:
     async def passed_back(self, meta: PipelineRequest, boundary: int, receiver: str, route: list[Hop]) -> Given | None:
         """Rows of the gradient the verifier of ``boundary + 1`` (``route[0]``) passed back to ``receiver``, a middle
         stage replica whose input gradient this verifier is about to judge (its passage, :mod:`passage`). The rows
-        are drawn here, at random, per microbatch: the stage cannot know which will be compared. None where there is
+        are drawn here, at random, per microbatch: the stage cannot know which will be compared. A verifier that
+        relayed the next boundary itself (it serves both) reads them from its own relay cache. None where there is
         nothing to compare: the last stage (the loss gave it its gradient), no next verifier, audits off (verifiers
         keep no crossings), a reply that does not come within ``PASSAGE_TIMEOUT_S``, or one about another sender."""
         if not self.enabled or not meta.train or boundary + 1 >= self.n_stages - 1 or not route:
@@ -353,6 +354,18 @@ class VerifierAudits:
         n_rows = self.node.config.verification.passage_rows
         n_rows = batch * seq if n_rows <= 0 else min(n_rows, batch * seq)
         rows = torch.randperm(batch * seq, generator=self.rows)[:n_rows].sort().values
+        local = self.cache.get(meta.microbatch_id, boundary + 1)
+        # this verifier may serve the next boundary too, and have relayed the microbatch there itself
+        if (
+            local is not None
+            and local.settled
+            and not local.tainted
+            and local.gradient is not None
+            and local.sender == receiver
+            and tuple(local.gradient.shape) == (batch, seq, hidden)
+        ):
+            self.stats["passage_rows"] += 1
+            return Given(local.gradient.reshape(-1, hidden)[rows].float(), rows)
         request = CrossingRequest(
             deadline=time.time() + PASSAGE_TIMEOUT_S,
             microbatch_id=meta.microbatch_id,
