@@ -28,7 +28,7 @@ from sentinel_node.swarm_reader import SwarmReader
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEPS = 40  # the ban comes 5 to 12 steps after the attack starts (the gate needs a model that reads context)
+STEPS = 60  # the ban comes 5 to 12 steps after the attack starts, later under load (audits find no idle auditor)
 ATTACK_START = 18
 SHUFFLER = "stage1-0"
 HONEST_STAGES = ("stage0-0", "stage1-1", "stage1-2", "stage2-0")
