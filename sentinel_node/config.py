@@ -209,11 +209,13 @@ class VerificationConfig(_Strict):
     )
     max_senders: int = Field(64, ge=1, description="senders a verifier keeps state for; the oldest is forgotten")
     passage_floor: float = Field(
-        0.8,
+        0.0,
         ge=0,
         le=2,
         description="1 - cosine of a middle stage's input gradient and the output gradient it was given above which "
-        "it is flagged whatever the window says (sentinel_node/verification/passage.py; 0: not judged)",
+        "it is flagged whatever the window says (sentinel_node/verification/passage.py; 0: not judged, the default "
+        "until a flag makes a suspect instead of a strike: 0.8 banned an honest replica whose parameters averaging "
+        "with an attacker had disturbed)",
     )
     passage_rows: int = Field(
         256,

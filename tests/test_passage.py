@@ -63,7 +63,7 @@ def passages() -> Passages:
 
 def monitor() -> BoundaryMonitor:
     base = load_config().verification.monitor_settings("gradient", seed=0, boundary=0)
-    return BoundaryMonitor(dataclasses.replace(base, warmup=40), HIDDEN, expected_shape=SHAPE)
+    return BoundaryMonitor(dataclasses.replace(base, warmup=40, passage_floor=0.8), HIDDEN, expected_shape=SHAPE)
 
 
 def test_an_honest_middle_stage_passes_the_gradient_it_was_given_on(passages):

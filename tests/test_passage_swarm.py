@@ -64,6 +64,7 @@ def swarm(tmp_path_factory) -> Iterator[PassageSwarm]:
             "loss_evidence": 0.0,
             "loss_gate": 0.0,
             "peer_limit": 0.0,
+            "passage_floor": 0.8,  # off by default (docs/decisions.md)
         },
         swarm={"trusted_verifiers": verifiers, "ban_quorum": 1, "open_verifiers": False, "open_trainers": True},
     )

@@ -39,11 +39,6 @@ def test_a_long_clean_swarm_of_single_replicas_bans_no_honest_stage(tmp_path):
         assert status is not None, name
         assert status.banned == [], (name, status.ledger)
         assert status.checks["activation"] > 0 and status.checks["gradient"] > 0, (name, status.checks)
-    # the gradient passage of stage 1 (its one replica) was judged on nearly every training microbatch, whether the
-    # verifier below had relayed the next boundary itself or asked the one that had
-    judged = sum(status.audits.get("passage_rows", 0) for status in statuses.values())
-    missing = sum(status.audits.get("passage_missing", 0) for status in statuses.values())
-    assert judged >= 3 * STEPS and missing <= judged // 20, (judged, missing)
     # what the verifiers held against honest stages at the end: strikes, if any, stayed below a ban
     strikes = [record.strikes for status in statuses.values() for record in status.ledger.values()]
     assert max(strikes, default=0) < demo.config.verification.strike_limit, statuses

@@ -70,7 +70,7 @@ class MonitorSettings:
     max_senders: int
     replacement: str
     seed: int
-    passage_floor: float = 0.8  # the gradient's passage through the sending stage (passage.py); 0: not judged
+    passage_floor: float = 0.0  # the gradient's passage through the sending stage (passage.py); 0: not judged
     metrics: tuple[str, ...] = tuple(METRICS)  # those judged at this boundary and direction
 
 
