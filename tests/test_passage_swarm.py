@@ -122,12 +122,17 @@ def test_the_rows_come_from_the_next_verifier_for_nearly_every_gradient(swarm):
     assert judged >= 2 * STEPS and missing <= judged // 10, swarm.passages
 
 
-def test_nobody_honest_is_struck_or_excluded_and_training_goes_on(swarm):
+def test_nobody_honest_is_banned_or_excluded_and_training_goes_on(swarm):
     honest = {swarm.peer(n) for n in HONEST_STAGES}
     for name, view in swarm.views.items():
         assert not honest & set(view), (name, view)
-    struck = {r.accused for r in swarm.dht_view.ledger if r.strikes or r.banned} & honest
-    assert not struck
+    # a strike is possible: the shifter's gradients reached stage 0 before its ban, and a replica computing on
+    # disturbed parameters can send a gradient the passage cannot tell from a lie (why it is off by default,
+    # docs/decisions.md); a ban is not
+    banned = {r.accused for r in swarm.dht_view.ledger if r.banned} & honest
+    assert not banned
+    limit = swarm.config.verification.strike_limit
+    assert all(r.strikes < limit for r in swarm.dht_view.ledger if r.accused in honest)
     steps = [r for r in swarm.records if r.get("event") == "step"]
     per_step = swarm.config.pipeline.microbatches_per_step
     assert len(steps) == STEPS and all(r["microbatches"] == per_step for r in steps[-3:])

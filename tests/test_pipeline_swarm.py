@@ -77,8 +77,7 @@ KILL_STAGE_AT = 6  # stage2-1, SIGKILL
 KILL_VERIFIER_AT = 22  # verifier1, SIGKILL (after both verifiers banned the attacker)
 FLOOD_AT = 8  # 100 fake verifier announcements, signed by 100 fresh keys (issue 16, attack 8)
 FAKE_VERIFIERS = 100
-SCRAPE_AT = (3, 16)  # Prometheus scrapes of live nodes while they train (and one more after training); at step 1
-# a verifier of two per boundary had once checked nothing yet at one of its boundaries
+SCRAPE_AT = (1, 16)  # Prometheus scrapes of live nodes while they train (and one more after training)
 SCRAPED = ("bootstrap", "stage1-0", "verifier0", "trainer")
 CHECK_AT = 2  # `swarm status --check` of the healthy swarm, before anything is killed
 
