@@ -89,6 +89,14 @@ class ReferenceParameters:
     def latest(self) -> ReferenceVersion | None:
         return self._versions[-1][0] if self._versions else None
 
+    @property
+    def period(self) -> int | None:
+        """Steps between the last two rounds kept (None before there are two): how often this replica actually
+        averages, which is less often than it is due to when a round takes longer than the steps between them."""
+        if len(self._versions) < 2:
+            return None
+        return self._versions[-1][0].round_step - self._versions[-2][0].round_step
+
     def for_step(self, step: int, max_age: int) -> tuple[ReferenceVersion, dict[str, torch.Tensor], int]:
         """The version this replica computed step ``step`` with, its parameters and the replica's step count at its
         snapshot; NoReference when there is none, or when it was taken more than ``max_age`` steps before."""

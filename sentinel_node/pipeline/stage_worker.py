@@ -224,8 +224,12 @@ class StageWorker:
         replica held for that step (under the same autocast as training), and how far its own parameters have
         carried it from there on the same microbatch (its :class:`Drift`); its parameters, their gradients and its
         pending microbatches are untouched. NoReference when it holds none younger than ``max_age`` steps
-        (default: two averaging periods, as a round's result may be merged a step or more late)."""
-        age = 2 * self.pipeline.average_every if max_age is None else max_age
+        (default: two averaging periods, as a round's result may be merged a step or more late; periods as this
+        replica actually averages, up to four times ``average_every``: where steps come faster than a round
+        completes, as on loopback, rounds are every 10 to 15 steps rather than 5, and a fixed two periods left
+        every audit of a loss gate test without a reference)."""
+        every = self.pipeline.average_every
+        age = 2 * min(max(every, self.reference.period or every), 4 * every) if max_age is None else max_age
         version, params, steps_at = self.reference.for_step(step, age)
         autocast = self._autocast
         work = recompute(self.module, params, inputs, grad_output, targets, autocast=autocast())
