@@ -209,13 +209,12 @@ class VerificationConfig(_Strict):
     )
     max_senders: int = Field(64, ge=1, description="senders a verifier keeps state for; the oldest is forgotten")
     passage_floor: float = Field(
-        0.0,
+        0.8,
         ge=0,
         le=2,
         description="1 - cosine of a middle stage's input gradient and the output gradient it was given above which "
-        "it is flagged whatever the window says (sentinel_node/verification/passage.py; 0: not judged, the default "
-        "until a flag makes a suspect instead of a strike: 0.8 banned an honest replica whose parameters averaging "
-        "with an attacker had disturbed)",
+        "it is flagged whatever the window says (sentinel_node/verification/passage.py; 0: not judged). A flag "
+        "drops the gradient and has the crossing audited; it is never a strike (needs audits on)",
     )
     passage_rows: int = Field(
         256,

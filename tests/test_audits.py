@@ -226,6 +226,22 @@ def test_recomputation_uses_the_reference_not_the_replicas_own_parameters(config
         worker.recompute(4 + 2 * config.pipeline.average_every + 1, x, targets=targets)  # too old to compare
 
 
+def test_a_replica_that_averages_late_keeps_its_reference_for_two_of_its_own_periods(config):
+    every = config.pipeline.average_every
+    worker = StageWorker(config.model, config.pipeline, 2, seed=0)
+    x, targets = tensor(9, (2, 8, 16)), torch.randint(0, 256, (2, 8))
+    late = 3 * every  # rounds take longer than the steps between them: every third one is due when one is free
+    worker.set_reference(round_step=every - 1, applies_from=every, members=None)
+    worker.set_reference(round_step=every - 1 + late, applies_from=every + late, members=None)
+    _, version, _ = worker.recompute(every - 1 + 2 * late, x, targets=targets)  # two of its periods: still kept
+    assert version.round_step == every - 1 + late
+    with pytest.raises(NoReference):
+        worker.recompute(every - 1 + 3 * late + 1, x, targets=targets)
+    worker.set_reference(round_step=every - 1 + 20 * late, applies_from=every + 20 * late, members=None)
+    with pytest.raises(NoReference):  # a replica cut off for many rounds: no more than four periods due
+        worker.recompute(every - 1 + 20 * late + 8 * every + 1, x, targets=targets)
+
+
 def test_stage_zero_recomputes_its_embeddings_too(config):
     worker = StageWorker(config.model, config.pipeline, 0, seed=0)
     tokens = torch.randint(0, 256, (2, 8))
@@ -517,7 +533,7 @@ def test_the_loss_gate_holds_a_corrupters_microbatches_and_their_audit_convicts_
 
 
 @pytest.mark.parametrize("floor", [0.5, 0.0])
-def test_the_gradient_passage_bans_a_middle_stage_that_sends_gradients_at_the_wrong_tokens(corpus, floor):
+def test_the_gradient_passage_has_a_middle_stage_that_sends_gradients_at_the_wrong_tokens_audited(corpus, floor):
     # The base draw (0.1%), the suspicions and the loss gate are off, and the fences stay in warm-up: only the
     # passage test (the input gradient of a middle stage against the one its next verifier passed back to it) can
     # see s1r0 send every gradient shifted by one token, a tensor every statistic finds honest.
@@ -533,7 +549,12 @@ def test_the_gradient_passage_bans_a_middle_stage_that_sends_gradients_at_the_wr
         assert not result.banned_at
         return
     assert set(result.banned_at) == {"s1r0"} and result.banned_at["s1r0"][0] <= 6  # within three steps
-    assert honest_flags == 0 and result.audits["malicious"]["convicted"] == 0  # the passage alone, no audit
+    # the passage flags and drops its gradients, a suspicion; the audit of the flagged crossing convicts it
+    audits = result.audits
+    assert honest_flags == 0 and audits["malicious"]["convicted"] == 1, audits
+    draws = audits["passage_draws"]
+    assert draws["honest"] == 0 and draws["malicious"] >= 1, draws
+    assert audits["convictions"][0]["direction"] == "gradient"
 
 
 def test_a_lying_auditor_cannot_frame_an_honest_replica(corpus):

@@ -95,10 +95,12 @@ def test_an_honest_middle_stage_passes_the_gradient_it_was_given_on(passages):
         pytest.param(lambda g: attacks.plane_rotation(g, 0, {"seed": 3}, degrees=180, planes=16), id="rotation"),
     ],
 )
-def test_a_gradient_moved_off_the_residual_stream_is_flagged_and_its_sender_banned(passages, attack):
+def test_a_gradient_moved_off_the_residual_stream_is_dropped_and_its_sender_made_a_suspect(passages, attack):
     """Statistics of the tensor alone cannot see these (each keeps the gradient's norm and every marginal); one
-    sender among three honest ones sends them from check 80 on: every one of its gradients is flagged and it is
-    banned within three, while the honest senders are never flagged by the passage test."""
+    sender among three honest ones sends them from check 80 on: every one of its gradients is flagged and dropped,
+    and it becomes a suspect (its crossings audited) without a strike: a flag of the passage bans no one by itself,
+    as an honest replica on disturbed parameters fails it too (only the audit it calls for bans, test_audits). The
+    honest senders are never flagged by the passage test."""
     checker = monitor()
     flagged, honest_passage_flags = [], 0
     rows = torch.Generator().manual_seed(2)
@@ -109,13 +111,27 @@ def test_a_gradient_moved_off_the_residual_stream_is_flagged_and_its_sender_bann
             attack(sent) if attacked else sent, sender, given=Given.sample(given, ROWS, rows), step=i
         )
         if attacked:
-            flagged.append(verdict.kind is VerdictKind.PASSAGE)
+            flagged.append(verdict.kind is VerdictKind.PASSAGE and verdict.tensor is None and not verdict.struck)
+            assert checker.ledger.suspect("d")
         elif verdict.kind is VerdictKind.PASSAGE:
             honest_passage_flags += 1
-        if checker.ledger.is_banned("d"):
-            break
-    assert checker.ledger.is_banned("d") and all(flagged) and len(flagged) <= 3, flagged
+    assert len(flagged) == 20 and all(flagged), flagged
+    record = checker.ledger.peek("d")
+    assert record.strikes == 0 and not record.banned and record.flags == 20 and record.suspicions > 0
     assert honest_passage_flags == 0
+
+
+def test_a_suspicion_is_forgiven_as_a_strike_is_and_never_bans():
+    from sentinel_node.verification.strikes import SenderStrikes
+
+    ledger = SenderStrikes(strike_limit=3, forgive_after=4)
+    for _ in range(10):
+        record = ledger.record("x", True, weight=2, blatant=True, strike=False)
+    assert not record.banned and record.strikes == 0 and record.blatant == 0 and record.suspicions == 3
+    assert ledger.suspect("x")
+    for _ in range(3 * 4):
+        ledger.record("x", False)
+    assert not ledger.suspect("x") and ledger.peek("x").suspicions == 0
 
 
 def test_what_cannot_be_compared_is_not_judged():

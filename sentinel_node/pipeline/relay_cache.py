@@ -36,6 +36,7 @@ class Crossing:
     settled: bool = False  # the gradient went back to the sender: the microbatch is complete on both sides
     tainted: bool = False  # some verifier replaced or dropped one of its tensors: nothing here is the stages' own
     held: bool = False  # the trainer's loss gate held the microbatch back: no gradient, the forward half is all
+    dropped: bool = False  # the gradient failed its passage and was not passed back: audited here, served to none
     _digests: dict[str, str] = field(default_factory=dict, repr=False)
 
     @property
@@ -87,10 +88,12 @@ class RelayCache:
         self._evict()
 
     def settle(self, microbatch: str, boundary: int, tainted: bool) -> Crossing | None:
-        """The microbatch is complete at this boundary; returns its crossing (None if evicted meanwhile)."""
+        """The microbatch is complete at this boundary; returns its crossing (None if evicted meanwhile, or settled
+        already as :meth:`suspected`: its audit is under way)."""
         crossing = self._crossings.get((microbatch, boundary))
-        if crossing is not None:
-            crossing.settled, crossing.tainted = True, tainted
+        if crossing is None or crossing.dropped:
+            return None
+        crossing.settled, crossing.tainted = True, tainted
         return crossing
 
     def hold(self, microbatch: str, boundary: int, receiver: str) -> Crossing | None:
@@ -99,6 +102,19 @@ class RelayCache:
         crossing = self._crossings.get((microbatch, boundary))
         if crossing is not None and crossing.gradient is None:
             crossing.receiver, crossing.settled, crossing.held = receiver, True, True
+        return crossing
+
+    def suspected(self, microbatch: str, boundary: int, receiver: str, gradient: torch.Tensor) -> Crossing | None:
+        """``receiver`` answered with ``gradient``, which failed its passage and was dropped: the crossing is kept
+        whole, as the stages sent it, for an audit of ``receiver`` (None if evicted meanwhile, or its activation was
+        not the sender's own)."""
+        crossing = self._crossings.get((microbatch, boundary))
+        if crossing is None or crossing.tainted or crossing.held:
+            return None
+        self.answer(microbatch, boundary, receiver, gradient)
+        if self._crossings.get((microbatch, boundary)) is not crossing:
+            return None
+        crossing.settled, crossing.dropped = True, True
         return crossing
 
     def get(self, microbatch: str, boundary: int) -> Crossing | None:

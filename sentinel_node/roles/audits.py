@@ -406,6 +406,23 @@ class VerifierAudits:
         self.stats["passage_missing"] += 1
         return None
 
+    def failed_passage(
+        self, meta: PipelineRequest, boundary: int, receiver: str, gradient: torch.Tensor, route: list[Hop]
+    ) -> None:
+        """The gradient ``receiver`` (a middle stage replica) answered with failed its passage and was dropped: a
+        suspicion, not a strike, since a replica computing honestly on parameters an attacker disturbed through
+        averaging fails it too. Its work on this very microbatch is audited as a suspect's is (the crossing is kept
+        as the stages sent it; the rows it was judged on came from ``route[0]``, which holds the other half): a
+        failed audit, confirmed by a second auditor, bans; one the auditors bear out clears it."""
+        if not self.enabled or not meta.train or not route:
+            return
+        crossing = self.cache.suspected(meta.microbatch_id, boundary, receiver, gradient)
+        if crossing is None or not self.draw(suspect=True):
+            return
+        self.stats["drawn"] += 1
+        self.stats["passage_drawn"] += 1
+        self._start(boundary + 1, meta.microbatch_id, route[0])
+
     def _held(
         self,
         meta: PipelineRequest,
@@ -454,7 +471,7 @@ class VerifierAudits:
     async def _serve_crossing(self, incoming: Incoming[CrossingRequest]) -> Answer:
         meta = incoming.metadata
         crossing = self.cache.get(meta.microbatch_id, meta.boundary)
-        if crossing is None or not crossing.settled or crossing.tainted:
+        if crossing is None or not crossing.settled or crossing.tainted or crossing.dropped:
             return Answer([], CrossingReply(found=False))
         if crossing.held:
             reply = CrossingReply(

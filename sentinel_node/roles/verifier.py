@@ -60,7 +60,7 @@ from sentinel_node.transport import (
     check_tensors,
 )
 from sentinel_node.transport.server import expected_bytes
-from sentinel_node.verification import Given, Verdict, content_of
+from sentinel_node.verification import Given, Verdict, VerdictKind, content_of
 
 logger = get_logger(__name__)
 
@@ -519,6 +519,8 @@ class VerifierNode(Node):
         if verdict.flagged:
             taint = sorted({*taint, boundary})
             back = back.model_copy(update={"taint": taint})
+        if verdict.kind is VerdictKind.PASSAGE:  # a suspicion: the replica's work on this microbatch is audited
+            self.audits.failed_passage(meta, boundary, reply.peer, gradient, next_meta.route)
         if verdict.malformed:
             self.stats.malformed += 1
             logger.warning(

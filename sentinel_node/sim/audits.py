@@ -53,6 +53,8 @@ class AuditStats:
     loss_suspect_draws: Counter = field(default_factory=Counter)
     # honest -> audits drawn on microbatches the trainer's loss gate held back
     held_draws: Counter = field(default_factory=Counter)
+    # honest -> audits drawn on microbatches whose gradient failed its passage (and was dropped)
+    passage_draws: Counter = field(default_factory=Counter)
 
     def summary(self) -> dict:
         def count(honest: bool) -> dict[str, int]:
@@ -81,6 +83,7 @@ class AuditStats:
             "honest_failed_first": self.first_failed[True],
             "loss_suspect_draws": dict(honest=self.loss_suspect_draws[True], malicious=self.loss_suspect_draws[False]),
             "held_draws": dict(honest=self.held_draws[True], malicious=self.held_draws[False]),
+            "passage_draws": dict(honest=self.passage_draws[True], malicious=self.passage_draws[False]),
             "honest_auditors_contradicted": self.contradicted[True],
             "incomparable": self.incomparable,
             "no_auditor": self.no_auditor,
@@ -180,6 +183,22 @@ class MeshAudits:
             if station.draw(suspect=True):
                 self.stats.held_draws[not self.mesh.worker(route[stage].id).malicious] += 1
                 self.audit(station, stage, name)
+
+    def failed_passage(self, step: int, name: str, boundary: int, receiver: str, gradient: torch.Tensor) -> None:
+        """The gradient ``receiver`` (a middle stage replica) sent across ``boundary`` failed its passage and was
+        dropped: a suspicion, and its work on this microbatch is audited as a suspect's is
+        (``roles.audits.VerifierAudits.failed_passage``). The crossing above it is complete: the next verifier
+        passed its gradient back to the replica (on the network it settled it then)."""
+        station = self.stations[boundary]
+        above = self.stations[boundary + 1].cache.get(name, boundary + 1)
+        if above is None or above.gradient is None or above.tainted or above.sender != receiver:
+            return
+        if station.cache.suspected(name, boundary, receiver, gradient) is None:
+            return
+        above.settled = True
+        if station.draw(suspect=True):
+            self.stats.passage_draws[not self.mesh.worker(receiver).malicious] += 1
+            self.audit(station, boundary + 1, name)
 
     def _observe_losses(self, route, loss: float | None, expected: float | None) -> None:
         for stage in range(len(route)):

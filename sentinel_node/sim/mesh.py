@@ -26,7 +26,7 @@ from sentinel_node.model.corpus import Corpus, sample_batch, validation_batches
 from sentinel_node.pipeline import BoundaryVerifier, StageWorker
 from sentinel_node.sim.audits import MeshAudits
 from sentinel_node.sim.stats import DetectionStats
-from sentinel_node.verification import Verdict, content_of
+from sentinel_node.verification import Verdict, VerdictKind, content_of
 from sentinel_node.verification.passage import Given
 
 Target = Literal["activation", "gradient", "both"]
@@ -403,6 +403,8 @@ class Mesh:
             verdict = self._check(
                 boundary, "gradient", sent, route[k], attacked, tainted, step, name, content, given=given
             )
+            if verdict.kind is VerdictKind.PASSAGE and audits is not None:
+                audits.failed_passage(step, name, boundary, route[k].id, sent)  # a suspicion: an audit decides
             # the rows the verifier of this boundary draws when it asks for the gradient it passed back
             given = (
                 None

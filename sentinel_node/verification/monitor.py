@@ -12,6 +12,10 @@ A fence crossed, not blatantly, while a quarter of the other senders crossed it 
 (:mod:`shift`): accepted, and learned from.
 
 Strikes are weighted by the evidence (:mod:`strikes`).
+
+Given the gradient its sender was given, a gradient is also judged on its passage through the sender's layers
+(:mod:`passage`): a flag there drops the gradient and makes the sender a suspect, never a strike; the caller has
+the crossing audited (``roles.audits``), and only a failed audit bans.
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ class VerdictKind(Enum):
     METRIC = "metric"  # a statistic over its threshold
     PEER = "peer"  # the sender's recent checks were consistently further from the reference than its peers'
     REPLAY = "replay"  # a near-copy of a recent tensor that carried other tokens
-    PASSAGE = "passage"  # a gradient that does not follow the one its sender was given through the residual stream
+    PASSAGE = "passage"  # a gradient that does not follow the one its sender was given: dropped, a suspicion
     SKIPPED = "skipped"  # not judged: the microbatch was tainted upstream, or verification is off
 
 
@@ -150,9 +154,7 @@ class Verdict:
         if self.kind is VerdictKind.REPLAY and self.replay is not None:
             return f"replay: a near-copy ({self.replay.similarity:.2f}) of a tensor {self.replay.age} checks ago"
         if self.kind is VerdictKind.PASSAGE:
-            return "passage: not the gradient it was given, carried through the residual stream" + (
-                " (blatant)" if self.blatant else ""
-            )
+            return "passage: not the gradient it was given, carried through the residual stream (a suspect: audited)"
         return self.problem
 
     @property
@@ -268,7 +270,9 @@ class BoundaryMonitor:
             return self._flag(tensor, sender, VerdictKind.MALFORMED, problem=problem, now=step)
         passage = None if given is None else self.passage.judge(tensor, given)
         if passage is not None and passage.over:
-            # an input gradient the residual stream cannot have carried from the output gradient it was given
+            # an input gradient the residual stream cannot have carried from the output gradient it was given: not
+            # passed on, and a suspicion, not a strike (a replica whose parameters an attacker disturbed through
+            # averaging sends such gradients honestly); the caller has the crossing audited, and the audit decides
             return self._flag(
                 tensor,
                 sender,
@@ -277,7 +281,7 @@ class BoundaryMonitor:
                 limits={"passage": passage.threshold},
                 severity=passage.severity,
                 over=("passage",),
-                blatant=passage.severity >= self.settings.blatant_severity,
+                strike=False,
                 now=step,
             )
 
@@ -400,11 +404,14 @@ class BoundaryMonitor:
         peer: PeerAlarm | None = None,
         step: int | None = None,
         now: int | None = None,
+        strike: bool = True,
     ) -> Verdict:
         """`step` only for a lone sender's moderate fence crossings: those of one step are one piece of evidence
         (:meth:`SenderStrikes.record`). A malformed tensor, a replay, a blatant crossing, and a crossing its peers
-        do not share are evidence each."""
-        record = self.ledger.record(sender, True, weight=2 if blatant else 1, blatant=blatant, step=step, now=now)
+        do not share are evidence each. `strike` False: a suspicion only (the passage)."""
+        record = self.ledger.record(
+            sender, True, weight=2 if blatant else 1, blatant=blatant, step=step, now=now, strike=strike
+        )
         if record.banned:
             self.peer_reference.forget(sender)
             self.peers.forget(sender)
@@ -412,7 +419,7 @@ class BoundaryMonitor:
         return Verdict(
             kind,
             self._replace(tensor),
-            struck=True,
+            struck=strike,
             blatant=blatant,
             over=over,
             problem=problem,

@@ -16,9 +16,10 @@ from the next verifier, and a stage cannot know which will be compared; an attac
 off over some rows as over all.
 
 The score is ``1 - cos`` (0 aligned, 1 unrelated, 2 inverted), judged by a linear fence over the boundary's recent
-accepted scores (:mod:`thresholds`), never below ``floor`` (0.8: a cosine under 0.2; the config's default is 0,
-off: a flag is a strike, and an honest replica whose parameters an attacker disturbed through averaging was banned
-by it on the network, docs/decisions.md). Honest cosines dip in phases
+accepted scores (:mod:`thresholds`), never below ``floor`` (0.8, the config's default: a cosine under 0.2; 0 turns
+the test off). A flag is a suspicion, not a strike (:mod:`monitor`): an honest replica whose parameters an attacker
+disturbed through averaging fails it too (it was banned by it on the network while a flag was a strike,
+docs/decisions.md), so the flagged crossing is audited and only the audit bans. Honest cosines dip in phases
 of training: a replica of the demo swarm was flagged at 0.35 by a floor of 0.5, and the demo's model (lr 0.003) went
 to 0.29 over 256 rows in 8 seeds x 120 microbatches from initialisation (0.12 over 128 rows with a warm-up four
 times shorter), while a shifted gradient stays under 0.17. The fence judges only once it holds ``min_scores``

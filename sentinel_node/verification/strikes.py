@@ -33,6 +33,7 @@ class SenderRecord:
     blatant_streak: int = 0  # clean checks since the last blatant flag or the last forgiven mark
     founder: bool = False  # first heard while the ledger itself was new: never on probation
     struck_step: int | None = None  # the global step of the last strike a non-blatant flag gave
+    suspicions: int = 0  # flags that carry no strike (the gradient passage), not yet forgiven: audits decide
     quiet_since: int | None = None  # the global step of its last flag, or of its last strike forgiven by time
 
     @property
@@ -94,10 +95,10 @@ class SenderStrikes:
         return rec is None or self._probation(rec)
 
     def suspect(self, sender: str) -> bool:
-        """Whether `sender` holds a strike or a blatant mark not yet forgiven (and is not banned): its work is then
-        worth recomputing more often (:class:`sentinel_node.pipeline.relay_cache.AuditDraw`)."""
+        """Whether `sender` holds a strike, a blatant mark or a suspicion not yet forgiven (and is not banned): its
+        work is then worth recomputing more often (:class:`sentinel_node.pipeline.relay_cache.AuditDraw`)."""
         rec = self._standing.peek(sender)
-        return rec is not None and (rec.strikes > 0 or rec.blatant > 0)
+        return rec is not None and (rec.strikes > 0 or rec.blatant > 0 or rec.suspicions > 0)
 
     def _probation(self, rec: SenderRecord) -> bool:
         return self.probation > 0 and not rec.founder and rec.clean < self.probation
@@ -110,8 +111,12 @@ class SenderStrikes:
         blatant: bool = False,
         step: int | None = None,
         now: int | None = None,
+        strike: bool = True,
     ) -> SenderRecord:
-        """Counts one check of `sender`; a flag adds `weight` strikes (and a mark when `blatant`).
+        """Counts one check of `sender`; a flag adds `weight` strikes (and a mark when `blatant`), or with `strike`
+        False a suspicion only: a flag of a test that cannot tell the sender's lie from honest work gone wrong
+        (the gradient passage of a replica whose parameters an attacker disturbed), which makes the sender a
+        :meth:`suspect` whose work audits recompute, and is forgiven as a strike is.
 
         `step` is the global step the check falls in, as the caller knows it independently of the sender (the
         swarm's step estimate): a flag that is not blatant adds no strike in a step in which one already did. The
@@ -135,6 +140,9 @@ class SenderStrikes:
             rec.clean_streak = 0
             if now is not None:
                 rec.quiet_since = now
+            if not strike:
+                rec.suspicions = min(rec.suspicions + 1, self.strike_limit)
+                return rec
             repeated = not blatant and step is not None and rec.struck_step == step
             if not rec.banned and not repeated:
                 if not blatant and step is not None:
@@ -150,11 +158,11 @@ class SenderStrikes:
             rec.clean_streak += 1
             if probation:
                 return rec  # nothing is forgiven on probation
-            if rec.clean_streak >= self.forgive_after and rec.strikes > 0:
-                rec.strikes -= 1
+            if rec.clean_streak >= self.forgive_after and (rec.strikes > 0 or rec.suspicions > 0):
+                rec.strikes, rec.suspicions = max(0, rec.strikes - 1), max(0, rec.suspicions - 1)
                 rec.clean_streak = 0
             elif self._quiet_long_enough(rec, now):
-                rec.strikes -= 1
+                rec.strikes, rec.suspicions = max(0, rec.strikes - 1), max(0, rec.suspicions - 1)
                 rec.quiet_since = now
             rec.blatant_streak += 1
             if rec.blatant_streak >= self.blatant_forgive_after and rec.blatant > 0:
@@ -165,7 +173,9 @@ class SenderStrikes:
         return rec
 
     def _quiet_long_enough(self, rec: SenderRecord, now: int | None) -> bool:
-        if self.forgive_steps <= 0 or now is None or rec.strikes <= 0 or rec.quiet_since is None:
+        if self.forgive_steps <= 0 or now is None or rec.quiet_since is None:
+            return False
+        if rec.strikes <= 0 and rec.suspicions <= 0:
             return False
         return now - rec.quiet_since >= self.forgive_steps
 
