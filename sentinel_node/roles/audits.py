@@ -409,7 +409,7 @@ class VerifierAudits:
     def failed_passage(
         self, meta: PipelineRequest, boundary: int, receiver: str, gradient: torch.Tensor, route: list[Hop]
     ) -> None:
-        """The gradient ``receiver`` (a middle stage replica) answered with failed its passage and was dropped: a
+        """``gradient``, the answer of ``receiver`` (a middle stage replica), failed its passage and was dropped: a
         suspicion, not a strike, since a replica computing honestly on parameters an attacker disturbed through
         averaging fails it too. Its work on this very microbatch is audited as a suspect's is (the crossing is kept
         as the stages sent it; the rows it was judged on came from ``route[0]``, which holds the other half): a

@@ -184,7 +184,7 @@ class MeshAudits:
                 self.stats.held_draws[not self.mesh.worker(route[stage].id).malicious] += 1
                 self.audit(station, stage, name)
 
-    def failed_passage(self, step: int, name: str, boundary: int, receiver: str, gradient: torch.Tensor) -> None:
+    def failed_passage(self, name: str, boundary: int, receiver: str, gradient: torch.Tensor) -> None:
         """The gradient ``receiver`` (a middle stage replica) sent across ``boundary`` failed its passage and was
         dropped: a suspicion, and its work on this microbatch is audited as a suspect's is
         (``roles.audits.VerifierAudits.failed_passage``). The crossing above it is complete: the next verifier

@@ -404,7 +404,7 @@ class Mesh:
                 boundary, "gradient", sent, route[k], attacked, tainted, step, name, content, given=given
             )
             if verdict.kind is VerdictKind.PASSAGE and audits is not None:
-                audits.failed_passage(step, name, boundary, route[k].id, sent)  # a suspicion: an audit decides
+                audits.failed_passage(name, boundary, route[k].id, sent)  # a suspicion: an audit decides
             # the rows the verifier of this boundary draws when it asks for the gradient it passed back
             given = (
                 None

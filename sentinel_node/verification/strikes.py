@@ -159,10 +159,10 @@ class SenderStrikes:
             if probation:
                 return rec  # nothing is forgiven on probation
             if rec.clean_streak >= self.forgive_after and (rec.strikes > 0 or rec.suspicions > 0):
-                rec.strikes, rec.suspicions = max(0, rec.strikes - 1), max(0, rec.suspicions - 1)
+                _forgive_one(rec)
                 rec.clean_streak = 0
             elif self._quiet_long_enough(rec, now):
-                rec.strikes, rec.suspicions = max(0, rec.strikes - 1), max(0, rec.suspicions - 1)
+                _forgive_one(rec)
                 rec.quiet_since = now
             rec.blatant_streak += 1
             if rec.blatant_streak >= self.blatant_forgive_after and rec.blatant > 0:
@@ -206,3 +206,8 @@ class SenderStrikes:
 
     def banned(self) -> list[str]:
         return [sender for sender, _ in self._banned.items()]
+
+
+def _forgive_one(rec: SenderRecord) -> None:
+    """One strike and one suspicion forgiven (each where there is one)."""
+    rec.strikes, rec.suspicions = max(0, rec.strikes - 1), max(0, rec.suspicions - 1)
