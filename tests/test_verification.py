@@ -558,6 +558,22 @@ def test_statistical_flags_of_one_step_give_one_strike_and_blatant_ones_each_the
     assert ledger.is_banned("unstepped")
 
 
+def test_a_lone_senders_isolated_flags_are_suspicions_and_repeated_ones_strike():
+    """A lone sender is judged against the EMA of its own past, which lags its honest training: a flag that does not
+    repeat within the step or the next is a suspicion (audited), never a strike; one that repeats strikes."""
+    ledger = SenderStrikes(strike_limit=3, forgive_after=100)
+    for step in range(40):  # one check a step, an isolated flag every few steps: the demo's honest lone replica
+        ledger.record("lone", step in {1, 12, 14, 30}, step=step, now=step)
+    record = ledger.senders["lone"]
+    assert (record.flags, record.strikes, record.banned) == (4, 0, False)
+    assert record.suspicions >= 1 and ledger.suspect("lone")  # its work is audited more often meanwhile
+    for step in range(40, 43):  # the control: a sender off the reference on every check, one check a step
+        ledger.record("off", True, step=step, now=step)
+    assert not ledger.is_banned("off") and ledger.senders["off"].strikes == 2
+    ledger.record("off", True, step=43, now=43)
+    assert ledger.is_banned("off")
+
+
 def test_ledger_forgives_one_strike_after_f_clean_checks():
     ledger = SenderStrikes(strike_limit=3, forgive_after=10)
     ledger.record("peer", True)
@@ -581,18 +597,18 @@ def test_a_sender_checked_rarely_is_forgiven_by_steps_and_one_flagged_often_is_n
     ledger = SenderStrikes(strike_limit=3, forgive_after=100, forgive_steps=50)
     flags = {88, 144, 298}
     for step in range(0, 300, 2):  # one check every other step
-        ledger.record("rare", step in flags, step=step, now=step)
+        ledger.record("rare", step in flags, now=step)
     record = ledger.senders["rare"]
     assert not record.banned and record.strikes == 1 and record.flags == 3
     for step in range(300, 400, 2):
-        ledger.record("rare", False, step=step, now=step)
+        ledger.record("rare", False, now=step)
     assert ledger.senders["rare"].strikes == 0
     unforgiving = SenderStrikes(strike_limit=3, forgive_after=100)  # checks alone forgive: the ban of before
     for step in range(0, 400, 2):
-        unforgiving.record("rare", step in flags, step=step, now=step)
+        unforgiving.record("rare", step in flags, now=step)
     assert unforgiving.is_banned("rare")
     for step in range(0, 200, 2):  # a flag every 40 steps: never 50 steps quiet, 3 strikes by step 80
-        ledger.record("often", step % 40 == 0, step=step, now=step)
+        ledger.record("often", step % 40 == 0, now=step)
     assert ledger.is_banned("often")
     ledger.record("no-clock", True)
     for _ in range(99):  # a caller that knows no step forgives by checks alone

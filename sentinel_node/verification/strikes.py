@@ -33,6 +33,7 @@ class SenderRecord:
     blatant_streak: int = 0  # clean checks since the last blatant flag or the last forgiven mark
     founder: bool = False  # first heard while the ledger itself was new: never on probation
     struck_step: int | None = None  # the global step of the last strike a non-blatant flag gave
+    flagged_step: int | None = None  # the global step of its last flag that came with one (a lone sender's)
     suspicions: int = 0  # flags that carry no strike (the gradient passage), not yet forgiven: audits decide
     quiet_since: int | None = None  # the global step of its last flag, or of its last strike forgiven by time
 
@@ -122,7 +123,14 @@ class SenderStrikes:
         swarm's step estimate): a flag that is not blatant adds no strike in a step in which one already did. The
         microbatches of one step are computed with the same parameters, so their flags are one piece of evidence,
         not several: an honest replica whose tensors all shift together (a loss spike, an averaging round, the only
-        replica of a stage with no peers to share the shift) is flagged on several of them in a row.
+        replica of a stage with no peers to share the shift) is flagged on several of them in a row. And such a flag
+        strikes only when it repeats: when the sender was flagged in this step or the one before; an isolated one is
+        a suspicion (audited, forgiven as a strike). Where `step` is given the sender has no majority of peers to be
+        judged against, only the EMA of its own past, which lags an honest replica's own training: in the loopback
+        demo swarm the last stage's one replica left (its peer killed) crossed the `wasserstein` fence of its
+        gradients just over it at three checks, steps apart, and was banned (docs/decisions.md). A sender whose
+        tensors stay off the reference crosses on check after check, so is struck in each step as before, from its
+        second flag.
 
         `now` is that step for any check (``step`` is given only where flags of one step count once): a clean
         check `forgive_steps` or more steps after the sender's last flag (or last strike forgiven so) forgives a
@@ -143,7 +151,14 @@ class SenderStrikes:
             if not strike:
                 rec.suspicions = min(rec.suspicions + 1, self.strike_limit)
                 return rec
-            repeated = not blatant and step is not None and rec.struck_step == step
+            stepped = not blatant and step is not None
+            repeated = stepped and rec.struck_step == step
+            isolated = stepped and (rec.flagged_step is None or not 0 <= step - rec.flagged_step <= 1)
+            if stepped:
+                rec.flagged_step = step
+            if isolated and not rec.banned:
+                rec.suspicions = min(rec.suspicions + 1, self.strike_limit)
+                return rec
             if not rec.banned and not repeated:
                 if not blatant and step is not None:
                     rec.struck_step = step
