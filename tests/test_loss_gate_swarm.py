@@ -11,6 +11,7 @@ of a held microbatch's forward half.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,8 +29,13 @@ from sentinel_node.swarm_reader import SwarmReader
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEPS = 60  # the ban comes 5 to 12 steps after the attack starts, later under load (audits find no idle auditor)
-ATTACK_START = 18
+STEPS = 72  # the ban comes 1 to 12 steps after the attack starts, later under load (audits find no idle auditor)
+# After the steep first descent (loss 5.5 to 3.2 by step 18), where a loss fitted against the training's progress
+# scatters most (docs/decisions.md, "The loss gate on the demo's model")
+ATTACK_START = 30
+# On this 64-wide model a shuffle adds two to three deviations of excess loss, not the six the default gate waits
+# for (sized on the full profile): at 6, 41 and 64 shuffled microbatches of two runs went through unheld
+LOSS_GATE = 4.0
 SHUFFLER = "stage1-0"
 HONEST_STAGES = ("stage0-0", "stage1-1", "stage1-2", "stage2-0")
 VERIFIERS = ("verifier0", "verifier1")
@@ -42,6 +48,7 @@ class GatedSwarm:
     records: list[dict]
     views: dict[str, list[str]]
     dht_view: SwarmView
+    diagnosis: dict[str, dict]
 
     def peer(self, name: str) -> str:
         return self.local.nodes[name].peer_id
@@ -65,7 +72,7 @@ def swarm(tmp_path_factory) -> Iterator[GatedSwarm]:
             "loss_evidence": 0.0,
             "peer_limit": 0.0,
             "passage_floor": 0.0,
-            "loss_gate_warmup": 16,
+            "loss_gate": LOSS_GATE,
         },
         swarm={"trusted_verifiers": verifiers, "ban_quorum": 1, "open_verifiers": False, "open_trainers": True},
     )
@@ -99,12 +106,22 @@ def swarm(tmp_path_factory) -> Iterator[GatedSwarm]:
         views["trainer"] = local.nodes["trainer"].status().excluded
         with SwarmReader(local.initial_peers, config, timeout=30) as reader:
             dht_view = reader.refresh()
-        yield GatedSwarm(config, local, records, views, dht_view)
+        yield GatedSwarm(config, local, records, views, dht_view, diagnosis(local))
+
+
+def diagnosis(local: LocalSwarm) -> dict[str, dict]:
+    """What a failed assertion should show: how the gate held and the audits went, and whom the attacker served."""
+    fields = ("held", "audits", "attacked", "served", "recomputations", "averaging_rounds")
+    found = {}
+    for name in (*VERIFIERS, SHUFFLER, *HONEST_STAGES):
+        status = local.nodes[name].status() if local.nodes[name].alive else None
+        found[name] = {f: getattr(status, f) for f in fields if getattr(status, f, None) is not None}
+    return found
 
 
 def test_a_shuffler_the_statistics_miss_is_held_audited_and_excluded_everywhere(swarm):
     shuffler = swarm.peer(SHUFFLER)
-    assert all(shuffler in view for view in swarm.views.values()), swarm.views
+    assert all(shuffler in view for view in swarm.views.values()), f"{swarm.views} {json.dumps(swarm.diagnosis)}"
     records = [r for r in swarm.dht_view.ledger.about(shuffler) if r.banned]
     assert records, "no verifier published a ban on the shuffler"
     evidence = next(r.audit for r in records if r.audit is not None)
@@ -121,7 +138,7 @@ def test_a_shuffler_the_statistics_miss_is_held_audited_and_excluded_everywhere(
 def test_held_microbatches_are_sent_again_and_no_token_is_lost_to_the_gate(swarm):
     summary = next(r for r in swarm.records if r.get("event") == "summary")
     accounting = summary["accounting"]
-    assert accounting["consistent"] and accounting["held"] >= 1
+    assert accounting["consistent"] and accounting["held"] >= 1, f"{accounting} {json.dumps(swarm.diagnosis)}"
     assert accounting["failed"] == 0
     # a held microbatch goes again around every replica of its route: the honest ones of stage 1 carry it
     assert accounting["dropped"] <= 1, accounting
