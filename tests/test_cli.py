@@ -122,6 +122,7 @@ def test_simulate_with_an_attack_file_runs_the_red_teams_function(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 23 s alone; `make test` runs it niced beside the network half, which can starve it
 def test_bench_detection_reports_one_attack_as_json_and_plots(tmp_path):
     out = tmp_path / "bench"
     result = CliRunner().invoke(
