@@ -48,7 +48,7 @@ class GatedSwarm:
     records: list[dict]
     views: dict[str, list[str]]
     dht_view: SwarmView
-    diagnosis: dict[str, dict]
+    diagnosis: str  # JSON, for failed assertions
 
     def peer(self, name: str) -> str:
         return self.local.nodes[name].peer_id
@@ -109,19 +109,19 @@ def swarm(tmp_path_factory) -> Iterator[GatedSwarm]:
         yield GatedSwarm(config, local, records, views, dht_view, diagnosis(local))
 
 
-def diagnosis(local: LocalSwarm) -> dict[str, dict]:
+def diagnosis(local: LocalSwarm) -> str:
     """What a failed assertion should show: how the gate held and the audits went, and whom the attacker served."""
     fields = ("held", "audits", "attacked", "served", "recomputations", "averaging_rounds")
     found = {}
     for name in (*VERIFIERS, SHUFFLER, *HONEST_STAGES):
         status = local.nodes[name].status() if local.nodes[name].alive else None
         found[name] = {f: getattr(status, f) for f in fields if getattr(status, f, None) is not None}
-    return found
+    return json.dumps(found, default=str)
 
 
 def test_a_shuffler_the_statistics_miss_is_held_audited_and_excluded_everywhere(swarm):
     shuffler = swarm.peer(SHUFFLER)
-    assert all(shuffler in view for view in swarm.views.values()), f"{swarm.views} {json.dumps(swarm.diagnosis)}"
+    assert all(shuffler in view for view in swarm.views.values()), f"{swarm.views} {swarm.diagnosis}"
     records = [r for r in swarm.dht_view.ledger.about(shuffler) if r.banned]
     assert records, "no verifier published a ban on the shuffler"
     evidence = next(r.audit for r in records if r.audit is not None)
@@ -138,7 +138,7 @@ def test_a_shuffler_the_statistics_miss_is_held_audited_and_excluded_everywhere(
 def test_held_microbatches_are_sent_again_and_no_token_is_lost_to_the_gate(swarm):
     summary = next(r for r in swarm.records if r.get("event") == "summary")
     accounting = summary["accounting"]
-    assert accounting["consistent"] and accounting["held"] >= 1, f"{accounting} {json.dumps(swarm.diagnosis)}"
+    assert accounting["consistent"] and accounting["held"] >= 1, f"{accounting} {swarm.diagnosis}"
     assert accounting["failed"] == 0
     # a held microbatch goes again around every replica of its route: the honest ones of stage 1 carry it
     assert accounting["dropped"] <= 1, accounting

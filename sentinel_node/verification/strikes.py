@@ -124,13 +124,10 @@ class SenderStrikes:
         microbatches of one step are computed with the same parameters, so their flags are one piece of evidence,
         not several: an honest replica whose tensors all shift together (a loss spike, an averaging round, the only
         replica of a stage with no peers to share the shift) is flagged on several of them in a row. And such a flag
-        strikes only when it repeats: when the sender was flagged in this step or the one before; an isolated one is
-        a suspicion (audited, forgiven as a strike). Where `step` is given the sender has no majority of peers to be
-        judged against, only the EMA of its own past, which lags an honest replica's own training: in the loopback
-        demo swarm the last stage's one replica left (its peer killed) crossed the `wasserstein` fence of its
-        gradients just over it at three checks, steps apart, and was banned (docs/decisions.md). A sender whose
-        tensors stay off the reference crosses on check after check, so is struck in each step as before, from its
-        second flag.
+        strikes only when it repeats (the sender was flagged in this step or the one before); an isolated one is a
+        suspicion. Where `step` is given the sender has no majority of peers, only the EMA of its own past, which
+        lags its honest training; a sender whose tensors stay off the reference crosses check after check and is
+        struck in each step from its second flag (docs/decisions.md, "A lone sender's isolated flag").
 
         `now` is that step for any check (``step`` is given only where flags of one step count once): a clean
         check `forgive_steps` or more steps after the sender's last flag (or last strike forgiven so) forgives a
@@ -160,7 +157,7 @@ class SenderStrikes:
                 rec.suspicions = min(rec.suspicions + 1, self.strike_limit)
                 return rec
             if not rec.banned and not repeated:
-                if not blatant and step is not None:
+                if stepped:
                     rec.struck_step = step
                 rec.strikes += max(1, weight)
                 if blatant:
