@@ -223,6 +223,17 @@ class VerificationConfig(_Strict):
         description="rows (token positions) of the output gradient a verifier asks the next one for, drawn at random "
         "each microbatch, to judge the passage on (0: all of them)",
     )
+    coherence_kappa: float = Field(
+        1.0,
+        ge=0,
+        description="IQRs of the boundary's log coherence by which a middle stage's contribution to a gradient may "
+        "share one direction across tokens per check before it counts as evidence (verification/coherence.py)",
+    )
+    coherence_limit: float = Field(
+        4.0,
+        ge=0,
+        description="the coherence evidence at which a sender is flagged and struck (0: off; needs the passage)",
+    )
     replacement: Literal["ema", "zero", "drop"] = Field(
         "drop", description="what replaces a flagged activation (downstream replicas trained on EMA noise drift)"
     )

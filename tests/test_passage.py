@@ -15,6 +15,7 @@ from sentinel_node.config import load_config
 from sentinel_node.model import build_stage, load_corpus
 from sentinel_node.model.corpus import sample_batch
 from sentinel_node.verification import BoundaryMonitor, VerdictKind
+from sentinel_node.verification.coherence import CoherenceEvidence, row_coherence
 from sentinel_node.verification.passage import Given, GradientPassage
 
 ROWS = 256  # of the 512 rows (token positions) of a microbatch: what a verifier asks the next one for
@@ -151,3 +152,88 @@ def test_what_cannot_be_compared_is_not_judged():
     assert abs(passage.judge(-g, rows).score - 2) < 1e-9  # the same rows of the sent gradient, inverted
     off = GradientPassage(window=32, k=5.5, floor=0.0)
     assert off.judge(-g, Given.sample(g, 0)) is None  # floor 0: the test is off
+
+
+# --- the coherence of a middle stage's own contribution (sentinel_node/verification/coherence.py) ---
+
+
+def coherence_monitor() -> BoundaryMonitor:
+    base = load_config().verification.monitor_settings("gradient", seed=0, boundary=0)
+    assert base.coherence_limit > 0  # on by default
+    return BoundaryMonitor(dataclasses.replace(base, warmup=40, passage_floor=0.8), HIDDEN, expected_shape=SHAPE)
+
+
+def test_rows_without_a_shared_direction_have_a_coherence_near_one_and_an_offset_adds_its_square_times_the_rows():
+    rows = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+    assert 0.6 < row_coherence(rows) < 1.6
+    # an offset of 0.25 RMS on every element: n * 0.25^2 = 16 more, whatever the rows
+    assert 14 < row_coherence(rows + 0.25) < 20
+    assert row_coherence(torch.ones(4, 3)) is None  # every row alike: no spread to compare with
+    assert row_coherence(torch.randn(1, 8)) is None
+
+
+def test_an_honest_stream_raises_no_coherence_alarm(passages):
+    """Four honest senders over the whole stream (160 gradients of a real model in training): the test learns the
+    boundary's spread and never alarms, nor holds more than half its limit against anyone."""
+    checker = coherence_monitor()
+    rows = torch.Generator().manual_seed(3)
+    for i, (sent, given) in enumerate(zip(passages.sent, passages.given, strict=True)):
+        verdict = checker.check(sent, "abcd"[i % 4], given=Given.sample(given, ROWS, rows), step=i)
+        assert verdict.kind is not VerdictKind.COHERENCE, (i, verdict.reason)
+    assert all(len(checker.coherence.senders.peek(s).accepted) == 32 for s in "abcd")  # it judged all along
+    assert max(checker.coherence.evidence(s) for s in "abcd") < checker.settings.coherence_limit / 2
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        pytest.param(lambda g, step: attacks.bias(g, step, {}, offset=0.1), id="bias-0.1"),
+        pytest.param(lambda g, step: attacks.drift(g, step, {"first_step": 80}, speed=0.01), id="drift-0.01"),
+    ],
+)
+def test_an_offset_on_every_token_is_flagged_and_its_sender_banned_by_the_coherence_of_its_contribution(
+    passages, attack
+):
+    """One sender of four adds the same offset to every token's gradient from check 80 on: too small for a fence
+    (0.1 of the RMS; a drift from nothing) but repeated in every row. Its coherence evidence crosses, it is flagged
+    and struck until banned; no honest sender is flagged by the coherence test."""
+    checker = coherence_monitor()
+    rows = torch.Generator().manual_seed(4)
+    kinds, honest = [], []
+    for i, (sent, given) in enumerate(zip(passages.sent, passages.given, strict=True)):
+        sender = "abcd"[i % 4]
+        attacked = sender == "d" and i >= 80
+        verdict = checker.check(
+            attack(sent, i) if attacked else sent, sender, given=Given.sample(given, ROWS, rows), step=i
+        )
+        (kinds if attacked else honest).append(verdict.kind)
+    assert VerdictKind.COHERENCE not in honest
+    assert kinds.count(VerdictKind.COHERENCE) >= 2, kinds
+    assert checker.ledger.peek("d").banned, kinds
+
+
+def test_the_coherence_test_needs_peers_counts_each_sender_alike_and_forgets_the_banned():
+    evidence = CoherenceEvidence(kappa=1.0, limit=4.0, max_senders=8, min_checks=8)
+    values = torch.linspace(2.0, 8.0, 16).tolist()
+    for value in values:
+        evidence.accept("a", value)
+    assert all(evidence.observe("a", 1e6) is None for _ in range(10))  # no peers: nobody to differ from
+    for value in values:
+        evidence.accept("b", value)
+    assert evidence.observe("a", 1e6) is None  # one peer is not a majority
+    # a colluder's many high checks count as one sender among the peers: the centre and scale stay honest
+    for _ in range(200):
+        evidence.accept("x", 500.0 * (1 + 0.01 * _ % 3))
+    for value in values:
+        evidence.accept("c", value)
+    alarms = [evidence.observe("a", 400.0) for _ in range(4)]
+    assert alarms[:2] == [None, None] and alarms[2] is not None  # the cap: one check adds at most 3 - kappa
+    assert evidence.evidence("a") <= evidence.limit
+    assert all(evidence.observe("b", 5.0) is None for _ in range(50))  # at its peers' centre: nothing accrues
+    assert evidence.evidence("b") == 0.0
+    evidence.forget("a")
+    assert evidence.evidence("a") == 0.0
+    assert evidence.observe("b", None) is None and evidence.observe("b", 0.0) is None
+    for name in "efghijkl":  # bounded: at most max_senders senders' state
+        evidence.observe(name, 3.0)
+    assert len(evidence.senders) <= 8

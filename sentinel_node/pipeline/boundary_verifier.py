@@ -125,13 +125,16 @@ class BoundaryVerifier:
         return True
 
     def suspicious(self, sender: str, boundary: int, direction: str, share: float) -> bool:
-        """Whether ``sender``'s evidence in the peer test of (``boundary``, ``direction``) has reached ``share`` of
-        its limit: it has been consistently unlike its peers lately, short of an alarm. Worth a recomputation, never
-        a strike (an honest sender whose replica drifted from its peers passes its audits)."""
+        """Whether ``sender``'s evidence in the peer test or the coherence test of (``boundary``, ``direction``) has
+        reached ``share`` of its limit: it has been consistently unlike its peers lately, short of an alarm. Worth a
+        recomputation, never a strike (an honest sender whose replica drifted from its peers passes its audits)."""
         monitor = self.monitors.get((boundary, direction))
-        if monitor is None or share <= 0 or not monitor.peers.enabled:
+        if monitor is None or share <= 0:
             return False
-        return monitor.peers.evidence(sender) >= share * monitor.peers.limit
+        peers, coherence = monitor.peers, monitor.coherence
+        return (peers.enabled and peers.evidence(sender) >= share * peers.limit) or (
+            coherence.enabled and coherence.evidence(sender) >= share * coherence.limit
+        )
 
     def is_banned(self, sender: str) -> bool:
         return self.ledger.is_banned(sender)

@@ -1,12 +1,14 @@
 """One boundary, one direction: check every tensor that crosses it (docs/architecture.md section 3).
 
-Three tests, each for what the others miss:
+Four tests, each for what the others miss:
 
 - per-tensor fences (:mod:`thresholds`) on the distances (:mod:`metrics`) of the tensor's profile to a reference a
   minority cannot walk (:mod:`reference`): blatant corruption, flagged on the tensor itself;
 - evidence accumulated per sender against its peers at this boundary (:mod:`peers`): small deviations that are
   consistent, inside every fence;
-- near-copies of recent tensors of other content (:mod:`replay`): free-riders.
+- near-copies of recent tensors of other content (:mod:`replay`): free-riders;
+- for a middle stage's gradient, evidence accumulated per sender that the stage's own contribution shares one
+  direction across its tokens (:mod:`coherence`): an offset added to every token, however small or slow.
 
 A fence crossed, not blatantly, while a quarter of the other senders crossed it too is the boundary moving
 (:mod:`shift`): accepted, and learned from.
@@ -26,8 +28,9 @@ from enum import Enum
 import torch
 
 from sentinel_node.verification.baseline import EmaBaseline
+from sentinel_node.verification.coherence import CoherenceAlarm, CoherenceEvidence
 from sentinel_node.verification.metrics import FENCE_ONLY, METRICS, SPIKY
-from sentinel_node.verification.passage import Given, GradientPassage
+from sentinel_node.verification.passage import Given, GradientPassage, PassageScore
 from sentinel_node.verification.peers import PeerAlarm, PeerEvidence
 from sentinel_node.verification.profile import Profile, Profiler, Scan
 from sentinel_node.verification.reference import PeerReference
@@ -75,6 +78,8 @@ class MonitorSettings:
     replacement: str
     seed: int
     passage_floor: float = 0.0  # the gradient's passage through the sending stage (passage.py); 0: not judged
+    coherence_kappa: float = 1.0  # the coherence test's allowance per check, in IQRs (coherence.py)
+    coherence_limit: float = 0.0  # its evidence that flags (0: off; it also needs the passage)
     metrics: tuple[str, ...] = tuple(METRICS)  # those judged at this boundary and direction
 
 
@@ -87,11 +92,19 @@ class VerdictKind(Enum):
     PEER = "peer"  # the sender's recent checks were consistently further from the reference than its peers'
     REPLAY = "replay"  # a near-copy of a recent tensor that carried other tokens
     PASSAGE = "passage"  # a gradient that does not follow the one its sender was given: dropped, a suspicion
+    COHERENCE = "coherence"  # the sender's contributions to gradients consistently shared one direction over tokens
     SKIPPED = "skipped"  # not judged: the microbatch was tainted upstream, or verification is off
 
 
 FLAGS = frozenset(
-    {VerdictKind.MALFORMED, VerdictKind.METRIC, VerdictKind.PEER, VerdictKind.REPLAY, VerdictKind.PASSAGE}
+    {
+        VerdictKind.MALFORMED,
+        VerdictKind.METRIC,
+        VerdictKind.PEER,
+        VerdictKind.REPLAY,
+        VerdictKind.PASSAGE,
+        VerdictKind.COHERENCE,
+    }
 )
 
 
@@ -102,7 +115,8 @@ class Verdict:
     `kind` is the decision; `struck` whether the sender got a strike for it; `blatant` whether the flag weighed
     double (far over a threshold, or a copy); `over` the metrics over their thresholds (kind METRIC, or an ACCEPTED
     tensor whose crossing was `shared` with other senders) or the one whose evidence crossed (kind PEER);
-    `replay` what the tensor copies (kind REPLAY); `problem` what is wrong
+    `replay` what the tensor copies (kind REPLAY); `coherence` the evidence that crossed (kind COHERENCE); `problem`
+    what is wrong
     with a malformed tensor (also set on a SKIPPED verdict whose tensor was malformed and replaced). `severity` is
     the largest metric's place between its window's median (0) and its threshold (1). `reason` is for display.
     """
@@ -115,6 +129,7 @@ class Verdict:
     problem: str | None = None
     replay: ReplayMatch | None = None
     peer: PeerAlarm | None = None
+    coherence: CoherenceAlarm | None = None
     severity: float = 0.0
     shared: bool = False
     scores: dict[str, float] = field(default_factory=dict)
@@ -155,6 +170,11 @@ class Verdict:
             return f"replay: a near-copy ({self.replay.similarity:.2f}) of a tensor {self.replay.age} checks ago"
         if self.kind is VerdictKind.PASSAGE:
             return "passage: not the gradient it was given, carried through the residual stream (a suspect: audited)"
+        if self.kind is VerdictKind.COHERENCE and self.coherence is not None:
+            return (
+                f"coherence: its layers' gradients shared one direction across tokens, check after check "
+                f"(this one {self.coherence.coherence:.3g})"
+            )
         return self.problem
 
     @property
@@ -221,6 +241,7 @@ class BoundaryMonitor:
         )
         self.shift = SharedShift(settings.peer_pool)
         self.passage = GradientPassage(settings.window, settings.fence_k, settings.passage_floor)
+        self.coherence = CoherenceEvidence(settings.coherence_kappa, settings.coherence_limit, settings.max_senders)
         self.sketcher = ReplaySketcher(hidden_size, settings.replay_width, settings.seed)
         self.replays = ReplayStore(settings.replay_keep, settings.replay_similarity)
         self.ledger = (
@@ -291,8 +312,7 @@ class BoundaryMonitor:
         self.peer_reference.observe(sender, profile)
         if reference is None:
             self._accept(profile, {})
-            if passage is not None:
-                self.passage.accept(passage)
+            self._accept_passage(sender, passage)
             return self._accepted(tensor, sender, {}, {}, warming_up=True, now=step)
 
         scores = {name: metric(profile, reference) for name, metric in self.metrics.items()}
@@ -300,6 +320,7 @@ class BoundaryMonitor:
         severities = {name: self.thresholds[name].severity(scores[name]) for name in self.metrics}
         severity = max(severities.values())
         alarm = self.peers.observe(sender, scores)
+        coherent = None if passage is None else self.coherence.observe(sender, passage.coherence)
         evidence = dict(scores=scores, limits=limits, severity=severity, now=step)
         over = self._over(scores, limits, judged_by_peers=median is not None)
         blatant = (
@@ -321,12 +342,15 @@ class BoundaryMonitor:
                 self.baseline.update(profile)
             step = step if alone else None  # with peers, a shift of one sender's own is evidence on every tensor
             return self._flag(tensor, sender, VerdictKind.METRIC, over=over, blatant=blatant, step=step, **evidence)
+        if coherent is not None:
+            return self._flag(
+                tensor, sender, VerdictKind.COHERENCE, over=("coherence",), coherence=coherent, **evidence
+            )
         if alarm is not None:
             return self._flag(tensor, sender, VerdictKind.PEER, over=(alarm.metric,), peer=alarm, **evidence)
         warming_up = self.warming_up
         self._accept(profile, scores)
-        if passage is not None:
-            self.passage.accept(passage)
+        self._accept_passage(sender, passage)
         verdict = self._accepted(tensor, sender, scores, limits, severity, warming_up, now=step)
         verdict.over, verdict.shared = over, bool(over)
         return verdict
@@ -402,6 +426,7 @@ class BoundaryMonitor:
         blatant: bool = False,
         replay: ReplayMatch | None = None,
         peer: PeerAlarm | None = None,
+        coherence: CoherenceAlarm | None = None,
         step: int | None = None,
         now: int | None = None,
         strike: bool = True,
@@ -416,6 +441,7 @@ class BoundaryMonitor:
             self.peer_reference.forget(sender)
             self.peers.forget(sender)
             self.shift.forget(sender)
+            self.coherence.forget(sender)
         return Verdict(
             kind,
             self._replace(tensor),
@@ -425,6 +451,7 @@ class BoundaryMonitor:
             problem=problem,
             replay=replay,
             peer=peer,
+            coherence=coherence,
             severity=severity,
             scores=scores or {},
             thresholds=limits or {},
@@ -437,6 +464,11 @@ class BoundaryMonitor:
         for name, score in scores.items():
             self.thresholds[name].accept(score)
         self.accepted += 1
+
+    def _accept_passage(self, sender: str, passage: PassageScore | None) -> None:
+        if passage is not None:
+            self.passage.accept(passage)
+            self.coherence.accept(sender, passage.coherence)
 
     def _replace(self, tensor: torch.Tensor) -> torch.Tensor | None:
         policy = self.settings.replacement

@@ -38,10 +38,10 @@ class AdaptiveThreshold:
             return None
         if self._cached is None:
             ordered = self._sorted
-            scale = max(_quantile(ordered, 0.5), self.floor, 1e-12) if self.space == "relative_log" else 1.0
+            scale = max(quantile(ordered, 0.5), self.floor, 1e-12) if self.space == "relative_log" else 1.0
             # the transform is increasing, so the order statistics of the transformed scores are the transformed
             # order statistics: interpolating between those is numpy's quantile of the transformed window
-            q1, median, q3 = (_quantile(ordered, q, lambda x: self._transform(x, scale)) for q in (0.25, 0.5, 0.75))
+            q1, median, q3 = (quantile(ordered, q, lambda x: self._transform(x, scale)) for q in (0.25, 0.5, 0.75))
             fence = max(q3 + self.k * (q3 - q1), self._transform(self.floor, scale))
             self._cached = (scale, median, fence)
         return self._cached
@@ -67,7 +67,7 @@ class AdaptiveThreshold:
         return (self._transform(score, scale) - median) / max(limit - median, 1e-9)
 
 
-def _quantile(ordered: list[float], q: float, transform=lambda x: x) -> float:
+def quantile(ordered: list[float], q: float, transform=lambda x: x) -> float:
     """The q-quantile of transform(ordered), ``ordered`` sorted and ``transform`` increasing, with numpy's default
     rule: linear interpolation between the order statistics around position q * (n - 1)."""
     position = q * (len(ordered) - 1)
