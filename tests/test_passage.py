@@ -4,6 +4,8 @@ on the gradients of a real three-stage model training on real text."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +17,7 @@ from sentinel_node.config import load_config
 from sentinel_node.model import build_stage, load_corpus
 from sentinel_node.model.corpus import sample_batch
 from sentinel_node.verification import BoundaryMonitor, VerdictKind
-from sentinel_node.verification.coherence import CoherenceEvidence, row_coherence
+from sentinel_node.verification.coherence import CoherenceEvidence, mean_row, row_coherence
 from sentinel_node.verification.passage import Given, GradientPassage
 
 ROWS = 256  # of the 512 rows (token positions) of a microbatch: what a verifier asks the next one for
@@ -168,6 +170,8 @@ def test_rows_without_a_shared_direction_have_a_coherence_near_one_and_an_offset
     assert 0.6 < row_coherence(rows) < 1.6
     # an offset of 0.25 RMS on every element: n * 0.25^2 = 16 more, whatever the rows
     assert 14 < row_coherence(rows + 0.25) < 20
+    offset = mean_row(rows + 0.25)  # and its direction is the offset's
+    assert float(offset @ torch.ones(64, dtype=torch.float64)) / float(offset.norm()) / 8 > 0.95
     assert row_coherence(torch.ones(4, 3)) is None  # every row alike: no spread to compare with
     assert row_coherence(torch.randn(1, 8)) is None
 
@@ -180,7 +184,7 @@ def test_an_honest_stream_raises_no_coherence_alarm(passages):
     for i, (sent, given) in enumerate(zip(passages.sent, passages.given, strict=True)):
         verdict = checker.check(sent, "abcd"[i % 4], given=Given.sample(given, ROWS, rows), step=i)
         assert verdict.kind is not VerdictKind.COHERENCE, (i, verdict.reason)
-    assert all(len(checker.coherence.senders.peek(s).accepted) == 32 for s in "abcd")  # it judged all along
+    assert all(len(checker.coherence.senders.peek(s).scores) == 32 for s in "abcd")  # it judged all along
     assert max(checker.coherence.evidence(s) for s in "abcd") < checker.settings.coherence_limit / 2
 
 
@@ -212,28 +216,72 @@ def test_an_offset_on_every_token_is_flagged_and_its_sender_banned_by_the_cohere
     assert checker.ledger.peek("d").banned, kinds
 
 
-def test_the_coherence_test_needs_peers_counts_each_sender_alike_and_forgets_the_banned():
+WIDTH = 16
+_BASIS = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+
+def honest_offsets(seed: int, n: int) -> list[torch.Tensor]:
+    """Offsets as honest contributions give them: a few directions of the hidden space, their signs changing from
+    microbatch to microbatch, and a little of every other direction."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(3, generator=g, dtype=torch.float64) @ _BASIS
+        + 0.1 * torch.randn(WIDTH, generator=g, dtype=torch.float64)
+        for _ in range(n)
+    ]
+
+
+def outside(norm: float) -> torch.Tensor:
+    """A fixed direction the honest offsets leave out (orthogonal to their three), of norm `norm`."""
+    q, _ = torch.linalg.qr(torch.cat([_BASIS.T, torch.eye(WIDTH, dtype=torch.float64)[:, :1]], 1))
+    return q[:, 3] * norm
+
+
+def test_the_coherence_test_judges_the_offsets_direction_needs_peers_counts_each_sender_alike_and_forgets_the_banned():
     evidence = CoherenceEvidence(kappa=1.0, limit=4.0, max_senders=8, min_checks=8)
-    values = torch.linspace(2.0, 8.0, 16).tolist()
-    for value in values:
-        evidence.accept("a", value)
-    assert all(evidence.observe("a", 1e6) is None for _ in range(10))  # no peers: nobody to differ from
-    for value in values:
-        evidence.accept("b", value)
-    assert evidence.observe("a", 1e6) is None  # one peer is not a majority
-    # a colluder's many high checks count as one sender among the peers: the centre and scale stay honest
-    for _ in range(200):
-        evidence.accept("x", 500.0 * (1 + 0.01 * _ % 3))
-    for value in values:
-        evidence.accept("c", value)
-    alarms = [evidence.observe("a", 400.0) for _ in range(4)]
+    typical = statistics.median(float(u.norm()) for u in honest_offsets(9, 64))
+    attack = outside(typical)  # no larger than an honest offset: only its direction gives it away
+    for u in honest_offsets(1, 16):
+        evidence.accept("a", u)
+    assert all(evidence.observe("a", attack) is None for _ in range(10))  # no peers: nobody to differ from
+    for u in honest_offsets(2, 16):
+        evidence.accept("b", u)
+    assert evidence.observe("a", attack) is None  # one peer is not a majority
+    # a colluder's many checks along the attack count as one sender among the peers: the centre, the scale and the
+    # whitening stay honest
+    for u in honest_offsets(3, 200):
+        evidence.accept("x", attack + 0.01 * u)
+    for seed, name in ((4, "c"), (5, "d")):
+        for u in honest_offsets(seed, 16):
+            evidence.accept(name, u)
+    alarms = [evidence.observe("a", attack) for _ in range(4)]
     assert alarms[:2] == [None, None] and alarms[2] is not None  # the cap: one check adds at most 3 - kappa
+    honest_median = math.exp(evidence.senders.peek("c").spread[0])  # an honest offset's size, in its peers' spread
+    assert alarms[2].size > 10 * honest_median, (alarms[2].size, honest_median)
     assert evidence.evidence("a") <= evidence.limit
-    assert all(evidence.observe("b", 5.0) is None for _ in range(50))  # at its peers' centre: nothing accrues
-    assert evidence.evidence("b") == 0.0
+    assert all(evidence.observe("b", u) is None for u in honest_offsets(6, 50))  # honest offsets: no alarm
+    assert evidence.evidence("b") < evidence.limit / 2
     evidence.forget("a")
     assert evidence.evidence("a") == 0.0
-    assert evidence.observe("b", None) is None and evidence.observe("b", 0.0) is None
+    assert evidence.observe("b", None) is None and evidence.observe("b", torch.ones(WIDTH + 1)) is None
     for name in "efghijkl":  # bounded: at most max_senders senders' state
-        evidence.observe(name, 3.0)
+        evidence.observe(name, honest_offsets(7, 1)[0])
     assert len(evidence.senders) <= 8
+
+
+def test_wide_offsets_are_judged_in_a_secret_sketch():
+    """Wider than the sketch, offsets are projected by a matrix the verifier draws itself: from its generator (the
+    simulator's, reproducible), else from the OS, so that no stage can know its null space."""
+    wide = torch.randn(64, dtype=torch.float64)
+
+    def projected(generator: torch.Generator | None) -> torch.Tensor:
+        evidence = CoherenceEvidence(kappa=1.0, limit=4.0, max_senders=4, sketch=8, generator=generator)
+        evidence.accept("a", wide)
+        return evidence.projection
+
+    assert projected(torch.Generator().manual_seed(1)).shape == (8, 64)
+    assert torch.equal(projected(torch.Generator().manual_seed(1)), projected(torch.Generator().manual_seed(1)))
+    assert not torch.equal(projected(None), projected(None))
+    narrow = CoherenceEvidence(kappa=1.0, limit=4.0, max_senders=4, sketch=8)
+    narrow.accept("a", torch.ones(8, dtype=torch.float64))
+    assert narrow.projection is None  # as wide as the sketch: judged as it is

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -21,6 +22,8 @@ class BoundaryVerifier:
     Boundary k sits between stage k and stage k + 1: activations there are sent by stage k replicas, gradients by
     stage k + 1 replicas. With `enabled=False` it is a plain relay (for overhead measurements and undefended runs).
     `dtype` is the swarm's wire dtype (`pipeline.wire_dtype`); `device` where the statistics are computed.
+    `private_seed` seeds what it keeps from the stages it judges (the coherence test's projection); None, as on the
+    network, draws it from the OS (the simulator passes one, to be reproducible).
 
     The verifier of the last boundary also keeps the loss gate (`gate`, :mod:`sentinel_node.verification.excess`)
     when `gate_boundary` is among its boundaries: it names the last stage the loss above which a microbatch's update
@@ -40,6 +43,7 @@ class BoundaryVerifier:
         device: str | torch.device = "cpu",
         gate_boundary: int | None = None,
         vocab: int | None = None,
+        private_seed: int | None = None,
     ):
         self.enabled = enabled
         self.ledger = SenderStrikes(
@@ -53,8 +57,9 @@ class BoundaryVerifier:
         )
 
         def monitor(boundary: int, direction: str) -> BoundaryMonitor:
+            settings = config.monitor_settings(direction, seed, boundary)
             return BoundaryMonitor(
-                config.monitor_settings(direction, seed, boundary),
+                dataclasses.replace(settings, private_seed=private_seed),
                 hidden_size=hidden_size,
                 expected_shape=expected_shape,
                 dtype=dtype,

@@ -172,8 +172,9 @@ class Mesh:
                     dtype=getattr(torch, pipe.wire_dtype),
                     gate_boundary=self.n_stages - 2,
                     vocab=config.model.vocab_size,
+                    private_seed=self.seed * 1000 + 10 * k + v,  # a verifier's own secret, reproducible here
                 )
-                for _ in range(sim.verifiers_per_boundary)
+                for v in range(sim.verifiers_per_boundary)
             ]
             for k in range(self.n_stages - 1)
         ]

@@ -80,6 +80,7 @@ class MonitorSettings:
     passage_floor: float = 0.0  # the gradient's passage through the sending stage (passage.py); 0: not judged
     coherence_kappa: float = 1.0  # the coherence test's allowance per check, in IQRs (coherence.py)
     coherence_limit: float = 0.0  # its evidence that flags (0: off; it also needs the passage)
+    private_seed: int | None = None  # what the stages judged must not know (the coherence sketch); None: the OS's
     metrics: tuple[str, ...] = tuple(METRICS)  # those judged at this boundary and direction
 
 
@@ -173,7 +174,7 @@ class Verdict:
         if self.kind is VerdictKind.COHERENCE and self.coherence is not None:
             return (
                 f"coherence: its layers' gradients shared one direction across tokens, check after check "
-                f"(this one {self.coherence.coherence:.3g})"
+                f"(this one {self.coherence.size:.3g} in the honest spread)"
             )
         return self.problem
 
@@ -241,7 +242,10 @@ class BoundaryMonitor:
         )
         self.shift = SharedShift(settings.peer_pool)
         self.passage = GradientPassage(settings.window, settings.fence_k, settings.passage_floor)
-        self.coherence = CoherenceEvidence(settings.coherence_kappa, settings.coherence_limit, settings.max_senders)
+        secret = None if settings.private_seed is None else torch.Generator().manual_seed(settings.private_seed)
+        self.coherence = CoherenceEvidence(
+            settings.coherence_kappa, settings.coherence_limit, settings.max_senders, generator=secret
+        )
         self.sketcher = ReplaySketcher(hidden_size, settings.replay_width, settings.seed)
         self.replays = ReplayStore(settings.replay_keep, settings.replay_similarity)
         self.ledger = (
@@ -320,7 +324,7 @@ class BoundaryMonitor:
         severities = {name: self.thresholds[name].severity(scores[name]) for name in self.metrics}
         severity = max(severities.values())
         alarm = self.peers.observe(sender, scores)
-        coherent = None if passage is None else self.coherence.observe(sender, passage.coherence)
+        coherent = None if passage is None else self.coherence.observe(sender, passage.offset)
         evidence = dict(scores=scores, limits=limits, severity=severity, now=step)
         over = self._over(scores, limits, judged_by_peers=median is not None)
         blatant = (
@@ -468,7 +472,7 @@ class BoundaryMonitor:
     def _accept_passage(self, sender: str, passage: PassageScore | None) -> None:
         if passage is not None:
             self.passage.accept(passage)
-            self.coherence.accept(sender, passage.coherence)
+            self.coherence.accept(sender, passage.offset)
 
     def _replace(self, tensor: torch.Tensor) -> torch.Tensor | None:
         policy = self.settings.replacement

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sentinel_node.verification.coherence import row_coherence
+from sentinel_node.verification.coherence import mean_row
 from sentinel_node.verification.thresholds import AdaptiveThreshold
 
 
@@ -75,13 +75,13 @@ class Given:
 @dataclass(frozen=True)
 class PassageScore:
     """``score`` = 1 - cos(g_in, g_out); ``threshold`` the fence it was judged by (inf: not judged yet);
-    ``severity`` its place between the window's median (0) and the fence (1); ``coherence`` the rows of the stage's
-    own contribution ``g_in - g_out`` sharing one direction (:func:`coherence.row_coherence`; None: undefined)."""
+    ``severity`` its place between the window's median (0) and the fence (1); ``offset`` the direction the rows of the
+    stage's own contribution ``g_in - g_out`` share (:func:`coherence.mean_row`; None: undefined)."""
 
     score: float
     threshold: float
     severity: float
-    coherence: float | None = None
+    offset: torch.Tensor | None = None
 
     @property
     def over(self) -> bool:
@@ -114,10 +114,10 @@ class GradientPassage:
         score = 1.0 - float(a @ b) / norms
         if score != score:  # NaN
             return None
-        coherence = row_coherence((a - b).reshape(given.values.shape))
+        offset = mean_row((a - b).reshape(given.values.shape))
         if len(self.fence.scores) < self.min_scores:
-            return PassageScore(score, float("inf"), 0.0, coherence)
-        return PassageScore(score, self.fence.threshold(), self.fence.severity(score), coherence)
+            return PassageScore(score, float("inf"), 0.0, offset)
+        return PassageScore(score, self.fence.threshold(), self.fence.severity(score), offset)
 
     def accept(self, passage: PassageScore) -> None:
         """Learns an accepted gradient's score; never one over the floor, so that an attack under way before the
