@@ -285,3 +285,34 @@ def test_wide_offsets_are_judged_in_a_secret_sketch():
     narrow = CoherenceEvidence(kappa=1.0, limit=4.0, max_senders=4, sketch=8)
     narrow.accept("a", torch.ones(8, dtype=torch.float64))
     assert narrow.projection is None  # as wide as the sketch: judged as it is
+
+
+@pytest.mark.parametrize("change", ["direction", "growth"])
+def test_a_change_every_sender_shares_is_evidence_against_no_one(change):
+    """The boundary moving, every sender at once (as when an attack upstream retrains every replica): a new direction
+    in every offset (each peer's spread learns it from one accepted check), or every offset six times larger (which
+    it learns slowly, so every sender accumulates until the median sender's evidence is taken off each check).
+    Neither is evidence against anyone; one sender alone changing so is alarmed."""
+    shift = outside(statistics.median(float(u.norm()) for u in honest_offsets(9, 64)))
+
+    def changed(u: torch.Tensor) -> torch.Tensor:
+        return u + shift if change == "direction" else 6 * u
+
+    def run(changing: str) -> list[str]:
+        evidence = CoherenceEvidence(kappa=1.0, limit=4.0, max_senders=8, min_checks=8)
+        for i in range(16):  # in turns, as a boundary hears its senders: each learns its peers' judgement too
+            for seed, name in enumerate("abcd"):
+                evidence.accept(name, honest_offsets(1000 * i + seed, 1)[0])
+        alarmed = []
+        for i in range(12):
+            for seed, name in enumerate("abcd"):
+                u = honest_offsets(100 * i + seed, 1)[0]
+                u = changed(u) if name in changing else u
+                if evidence.observe(name, u) is not None:
+                    alarmed.append(name)
+                else:
+                    evidence.accept(name, u)
+        return alarmed
+
+    assert run("abcd") == []
+    assert "d" in run("d") and set(run("d")) == {"d"}
