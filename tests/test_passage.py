@@ -267,6 +267,10 @@ def test_the_coherence_test_judges_the_offsets_direction_needs_peers_counts_each
     for name in "efghijkl":  # bounded: at most max_senders senders' state
         evidence.observe(name, honest_offsets(7, 1)[0])
     assert len(evidence.senders) <= 8
+    for _ in range(10):  # offsets whose squares overflow are judged (the cap bounds them) and break nothing
+        evidence.observe("z", torch.full((WIDTH,), 1e200, dtype=torch.float64))
+        evidence.accept("z", torch.full((WIDTH,), 1e200, dtype=torch.float64))
+    assert evidence.senders.peek("z").inverse is None and evidence.evidence("z") <= evidence.limit
 
 
 def test_wide_offsets_are_judged_in_a_secret_sketch():

@@ -188,7 +188,8 @@ class CoherenceEvidence:
             stacked = torch.stack(list(mine.offsets))
             moment = stacked.T @ stacked / len(stacked)
             ridge = self.ridge * float(moment.diagonal().mean()) * torch.eye(len(moment), dtype=moment.dtype)
-            mine.inverse = torch.linalg.pinv(moment + ridge, hermitian=True)
+            if bool(torch.isfinite(moment).all()):  # offsets are finite, their squares could overflow: then keep
+                mine.inverse = torch.linalg.pinv(moment + ridge, hermitian=True)
         if score is not None:
             mine.scores.append(score)
             ordered = sorted(mine.scores)
