@@ -92,7 +92,8 @@ def row_coherence(residual: torch.Tensor) -> float | None:
 @dataclass(frozen=True)
 class CoherenceAlarm:
     """The sender's accumulated evidence (`evidence`, in IQRs of its peers' scores) crossed the limit; `size` is this
-    check's offset in the honest spread of offsets (``q``, about the sketch's dimension for an honest one)."""
+    check's offset in the honest spread of offsets (``q``; an honest one measures about the few directions honest
+    offsets take, the ridge shrinking the rest)."""
 
     size: float
     evidence: float
@@ -188,7 +189,7 @@ class CoherenceEvidence:
             stacked = torch.stack(list(mine.offsets))
             moment = stacked.T @ stacked / len(stacked)
             ridge = self.ridge * float(moment.diagonal().mean()) * torch.eye(len(moment), dtype=moment.dtype)
-            if bool(torch.isfinite(moment).all()):  # offsets are finite, their squares could overflow: then keep
+            if bool(torch.isfinite(moment).all()):  # finite offsets can still overflow squared: keep the last one
                 mine.inverse = torch.linalg.pinv(moment + ridge, hermitian=True)
         if score is not None:
             mine.scores.append(score)
