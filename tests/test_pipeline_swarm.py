@@ -172,11 +172,15 @@ def test_metrics_of_live_nodes_move_while_they_train(demo):
         assert late[name][("sentinel_node_info", role, demo.peer(name))] == 1, late[name]
         assert late[name][("sentinel_dht_peers",)] >= 1
     verifier, trainer, stage = (late[n] for n in ("verifier0", "trainer", "stage1-0"))
-    # checks per boundary and direction, counted as they happen
-    for boundary in ("0", "1"):
-        for direction in ("activation", "gradient"):
-            key = ("sentinel_checks_total", boundary, direction)
-            assert verifier[key] > early["verifier0"][key] > 0, (key, early["verifier0"], verifier)
+    # checks per boundary and direction, counted as they happen: by the first scrape (step 1) verifier0 has checked
+    # something, though the trainer may have routed every one of a boundary's gradients so far through verifier1
+    # (CI saw 0 boundary-0 gradient checks at step 1); by step 16 it has checked more of each
+    checks = [
+        ("sentinel_checks_total", boundary, direction) for boundary in "01" for direction in ("activation", "gradient")
+    ]
+    assert sum(early["verifier0"][key] for key in checks) > 0, early["verifier0"]
+    for key in checks:
+        assert verifier[key] > early["verifier0"][key] >= 0, (key, early["verifier0"], verifier)
     # every microbatch of the steps done so far has settled, and the counts say how (the trainer, a process of its
     # own, may already have settled some of the next step's when the test reads its step record)
     mb, per_step = "sentinel_microbatches_total", demo.config.pipeline.microbatches_per_step
