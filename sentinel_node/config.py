@@ -234,6 +234,18 @@ class VerificationConfig(_Strict):
         ge=0,
         description="the coherence evidence at which a sender is flagged and struck (0: off; needs the passage)",
     )
+    drift_kappa: float = Field(
+        1.0,
+        ge=0,
+        description="IQRs of the boundary's scores by which a sender's mean activation row may depart from its "
+        "peers' per check before it counts as evidence (verification/drift.py)",
+    )
+    drift_limit: float = Field(
+        4.0,
+        ge=0,
+        description="the drift evidence at which a sender of activations is flagged and struck (0: off; needs five "
+        "senders at the boundary)",
+    )
     replacement: Literal["ema", "zero", "drop"] = Field(
         "drop", description="what replaces a flagged activation (downstream replicas trained on EMA noise drift)"
     )
@@ -320,6 +332,8 @@ class VerificationConfig(_Strict):
         beta = self.beta_act if direction == "activation" else self.beta_grad
         shared = direction == "activation" and (boundary is None or boundary >= self.opposed_from_boundary)
         unjudged = () if shared else ACTIVATION_ONLY
+        if direction == "gradient":  # a gradient's mean row is the coherence test's, on what the stage added
+            values["drift_limit"] = 0.0
         metrics = tuple(name for name in METRICS if name not in unjudged)
         return MonitorSettings(beta=beta, seed=seed, metrics=metrics, **values)
 

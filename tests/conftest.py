@@ -31,6 +31,7 @@ ISOLATED = {
     "test_bench_verifier",
     "test_cli",
     "test_device",
+    "test_drift",
     "test_layers",
     "test_loss_gate",
     "test_model",

@@ -58,6 +58,7 @@ def run_honest(
         "peer_alarms": peer,
         "peer_alarms_per_1000_checks": round(1000 * peer / checks, 3) if checks else None,
         "coherence_alarms": by_kind.get("coherence", 0),
+        "drift_alarms": by_kind.get("drift", 0),
         "flags_per_1000_checks": round(1000 * stats.flags / checks, 3) if checks else None,
         "honest_max_strikes": result.honest_max_strikes,
         "banned": sorted(result.banned_at),
@@ -75,7 +76,8 @@ def table(report: dict) -> str:
             f"  by metric or kind: {report['flags_by_metric_or_kind'] or 'none'}",
             f"  peer test: {report['peer_alarms']} false alarms ({report['peer_alarms_per_1000_checks']} per 1,000 "
             "checks)",
-            f"  coherence test: {report.get('coherence_alarms', 0)} false alarms",
+            f"  coherence test: {report.get('coherence_alarms', 0)} false alarms; drift test: "
+            f"{report.get('drift_alarms', 0)}",
             f"  most strikes an honest worker held: {report['honest_max_strikes']}; banned: "
             f"{', '.join(report['banned']) or 'nobody'}",
             f"  validation loss {report['val_curve'][0][1]:.3f} -> {report['val_curve'][-1][1]:.3f}; "

@@ -130,15 +130,16 @@ class BoundaryVerifier:
         return True
 
     def suspicious(self, sender: str, boundary: int, direction: str, share: float) -> bool:
-        """Whether ``sender``'s evidence in the peer test or the coherence test of (``boundary``, ``direction``) has
+        """Whether ``sender``'s evidence in the peer, coherence or drift test of (``boundary``, ``direction``) has
         reached ``share`` of its limit: it has been consistently unlike its peers lately, short of an alarm. Worth a
         recomputation, never a strike (an honest sender whose replica drifted from its peers passes its audits)."""
         monitor = self.monitors.get((boundary, direction))
         if monitor is None or share <= 0:
             return False
-        peers, coherence = monitor.peers, monitor.coherence
-        return (peers.enabled and peers.evidence(sender) >= share * peers.limit) or (
-            coherence.enabled and coherence.evidence(sender) >= share * coherence.limit
+        if monitor.peers.enabled and monitor.peers.evidence(sender) >= share * monitor.peers.limit:
+            return True
+        return any(
+            test.enabled and test.evidence(sender) >= share * test.limit for test in (monitor.coherence, monitor.drift)
         )
 
     def is_banned(self, sender: str) -> bool:

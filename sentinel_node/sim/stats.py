@@ -22,7 +22,7 @@ class DetectionStats:
         if verdict.kind is VerdictKind.METRIC:
             for metric in verdict.over:
                 self.metric_hits[direction, attacked, metric] += 1
-        elif verdict.kind in (VerdictKind.PEER, VerdictKind.REPLAY, VerdictKind.COHERENCE):
+        elif verdict.kind in (VerdictKind.PEER, VerdictKind.REPLAY, VerdictKind.COHERENCE, VerdictKind.DRIFT):
             self.metric_hits[direction, attacked, verdict.kind.value] += 1
 
     @property

@@ -7,7 +7,8 @@ direction (activations forward, gradients backward)::
     verdict = monitor.check(tensor, sender="peer-id", tainted=False)
     verdict = monitor.check(tensor, sender="peer-id", content=hash_of_targets)
     verdict = monitor.check(gradient, sender="peer-id", given=Given.sample(passed_back, 128))  # a middle stage's
-    verdict.kind                      # VerdictKind: accepted, malformed, metric, peer, replay, passage, skipped
+    verdict.kind                      # VerdictKind: accepted, malformed, metric, peer, replay, passage, coherence,
+                                      # drift, skipped
     verdict.struck, verdict.over      # whether the sender got a strike; the metrics over their thresholds
     verdict.blatant                   # the flag weighed two strikes (far over a threshold, or a copy)
     verdict.reason                    # for people: "non-finite values", "metric:l2,wasserstein", "peer:norm ..."
@@ -22,7 +23,9 @@ the clean replacement, and the reference of a boundary with fewer than three sen
 :mod:`thresholds` (Tukey fence over a window of accepted scores), :mod:`peers` (evidence accumulated per sender
 against its peers), :mod:`replay` (sketches that find near-copies), :mod:`passage` (a middle stage's input gradient
 against the output gradient it was given, which the residual stream carries into it), :mod:`losses` (higher
-losses than its peers' make a replica a suspect for audits), :mod:`shift` (a fence crossed by several senders is
+losses than its peers' make a replica a suspect for audits), :mod:`coherence` (a middle stage's gradient
+contribution sharing one direction over its tokens, check after check), :mod:`drift` (a sender's mean activation
+row departing from its peers' the same way, check after check), :mod:`shift` (a fence crossed by several senders is
 the boundary moving), :mod:`strikes` (violation counter with forgiveness, weighted by the evidence),
 :mod:`senders` (per-sender state with a bound), :mod:`monitor` (all of it for one boundary and direction).
 """

@@ -8,7 +8,9 @@ Four tests, each for what the others miss:
   consistent, inside every fence;
 - near-copies of recent tensors of other content (:mod:`replay`): free-riders;
 - for a middle stage's gradient, evidence accumulated per sender that the stage's own contribution shares one
-  direction across its tokens (:mod:`coherence`): an offset added to every token, however small or slow.
+  direction across its tokens (:mod:`coherence`): an offset added to every token, however small or slow;
+- for activations, evidence accumulated per sender that its mean row departs from its peers' the same way, check
+  after check (:mod:`drift`): a rotation or a small bias that keeps every norm and spread inside the fences.
 
 A fence crossed, not blatantly, while a quarter of the other senders crossed it too is the boundary moving
 (:mod:`shift`): accepted, and learned from.
@@ -29,6 +31,7 @@ import torch
 
 from sentinel_node.verification.baseline import EmaBaseline
 from sentinel_node.verification.coherence import CoherenceAlarm, CoherenceEvidence
+from sentinel_node.verification.drift import PeerMeans
 from sentinel_node.verification.metrics import FENCE_ONLY, METRICS, SPIKY
 from sentinel_node.verification.passage import Given, GradientPassage, PassageScore
 from sentinel_node.verification.peers import PeerAlarm, PeerEvidence
@@ -80,7 +83,9 @@ class MonitorSettings:
     passage_floor: float = 0.0  # the gradient's passage through the sending stage (passage.py); 0: not judged
     coherence_kappa: float = 1.0  # the coherence test's allowance per check, in IQRs (coherence.py)
     coherence_limit: float = 0.0  # its evidence that flags (0: off; it also needs the passage)
-    private_seed: int | None = None  # what the stages judged must not know (the coherence sketch); None: the OS's
+    drift_kappa: float = 1.0  # the drift test's allowance per check, in IQRs (drift.py)
+    drift_limit: float = 0.0  # its evidence that flags (0: off)
+    private_seed: int | None = None  # what the stages judged must not know (the tests' sketches); None: the OS's
     metrics: tuple[str, ...] = tuple(METRICS)  # those judged at this boundary and direction
 
 
@@ -94,6 +99,7 @@ class VerdictKind(Enum):
     REPLAY = "replay"  # a near-copy of a recent tensor that carried other tokens
     PASSAGE = "passage"  # a gradient that does not follow the one its sender was given: dropped, a suspicion
     COHERENCE = "coherence"  # the sender's contributions to gradients consistently shared one direction over tokens
+    DRIFT = "drift"  # the sender's mean activation row consistently departed from its peers' in one direction
     SKIPPED = "skipped"  # not judged: the microbatch was tainted upstream, or verification is off
 
 
@@ -105,6 +111,7 @@ FLAGS = frozenset(
         VerdictKind.REPLAY,
         VerdictKind.PASSAGE,
         VerdictKind.COHERENCE,
+        VerdictKind.DRIFT,
     }
 )
 
@@ -116,10 +123,10 @@ class Verdict:
     `kind` is the decision; `struck` whether the sender got a strike for it; `blatant` whether the flag weighed
     double (far over a threshold, or a copy); `over` the metrics over their thresholds (kind METRIC, or an ACCEPTED
     tensor whose crossing was `shared` with other senders) or the one whose evidence crossed (kind PEER);
-    `replay` what the tensor copies (kind REPLAY); `coherence` the evidence that crossed (kind COHERENCE); `problem`
-    what is wrong
-    with a malformed tensor (also set on a SKIPPED verdict whose tensor was malformed and replaced). `severity` is
-    the largest metric's place between its window's median (0) and its threshold (1). `reason` is for display.
+    `replay` what the tensor copies (kind REPLAY); `coherence` the evidence that crossed (kinds COHERENCE, DRIFT);
+    `problem` what is wrong with a malformed tensor (also set on a SKIPPED verdict whose tensor was malformed and
+    replaced). `severity` is the largest metric's place between its window's median (0) and its threshold (1).
+    `reason` is for display.
     """
 
     kind: VerdictKind
@@ -174,6 +181,11 @@ class Verdict:
         if self.kind is VerdictKind.COHERENCE and self.coherence is not None:
             return (
                 f"coherence: its layers' gradients shared one direction across tokens, check after check "
+                f"(this one {self.coherence.size:.3g} in the honest spread)"
+            )
+        if self.kind is VerdictKind.DRIFT and self.coherence is not None:
+            return (
+                f"drift: its activations' mean departed from its peers' the same way, check after check "
                 f"(this one {self.coherence.size:.3g} in the honest spread)"
             )
         return self.problem
@@ -242,9 +254,15 @@ class BoundaryMonitor:
         )
         self.shift = SharedShift(settings.peer_pool)
         self.passage = GradientPassage(settings.window, settings.fence_k, settings.passage_floor)
-        secret = None if settings.private_seed is None else torch.Generator().manual_seed(settings.private_seed)
+        seed = settings.private_seed
+        secret = None if seed is None else torch.Generator().manual_seed(seed)
         self.coherence = CoherenceEvidence(
             settings.coherence_kappa, settings.coherence_limit, settings.max_senders, generator=secret
+        )
+        self.means = PeerMeans()
+        secret = None if seed is None else torch.Generator().manual_seed(seed + 1)
+        self.drift = CoherenceEvidence(
+            settings.drift_kappa, settings.drift_limit, settings.max_senders, generator=secret
         )
         self.sketcher = ReplaySketcher(hidden_size, settings.replay_width, settings.seed)
         self.replays = ReplayStore(settings.replay_keep, settings.replay_similarity)
@@ -317,6 +335,7 @@ class BoundaryMonitor:
         if reference is None:
             self._accept(profile, {})
             self._accept_passage(sender, passage)
+            self._accept_mean(sender, profile, None)
             return self._accepted(tensor, sender, {}, {}, warming_up=True, now=step)
 
         scores = {name: metric(profile, reference) for name, metric in self.metrics.items()}
@@ -325,6 +344,8 @@ class BoundaryMonitor:
         severity = max(severities.values())
         alarm = self.peers.observe(sender, scores)
         coherent = None if passage is None else self.coherence.observe(sender, passage.offset)
+        deviation = self.means.deviation(sender, profile.mean) if self.drift.enabled else None
+        drifted = self.drift.observe(sender, deviation)
         evidence = dict(scores=scores, limits=limits, severity=severity, now=step)
         over = self._over(scores, limits, judged_by_peers=median is not None)
         blatant = (
@@ -350,11 +371,14 @@ class BoundaryMonitor:
             return self._flag(
                 tensor, sender, VerdictKind.COHERENCE, over=("coherence",), coherence=coherent, **evidence
             )
+        if drifted is not None:
+            return self._flag(tensor, sender, VerdictKind.DRIFT, over=("drift",), coherence=drifted, **evidence)
         if alarm is not None:
             return self._flag(tensor, sender, VerdictKind.PEER, over=(alarm.metric,), peer=alarm, **evidence)
         warming_up = self.warming_up
         self._accept(profile, scores)
         self._accept_passage(sender, passage)
+        self._accept_mean(sender, profile, deviation)
         verdict = self._accepted(tensor, sender, scores, limits, severity, warming_up, now=step)
         verdict.over, verdict.shared = over, bool(over)
         return verdict
@@ -446,6 +470,8 @@ class BoundaryMonitor:
             self.peers.forget(sender)
             self.shift.forget(sender)
             self.coherence.forget(sender)
+            self.drift.forget(sender)
+            self.means.forget(sender)
         return Verdict(
             kind,
             self._replace(tensor),
@@ -473,6 +499,11 @@ class BoundaryMonitor:
         if passage is not None:
             self.passage.accept(passage)
             self.coherence.accept(sender, passage.offset)
+
+    def _accept_mean(self, sender: str, profile: Profile, deviation: torch.Tensor | None) -> None:
+        if self.drift.enabled:
+            self.drift.accept(sender, deviation)
+            self.means.accept(sender, profile.mean)
 
     def _replace(self, tensor: torch.Tensor) -> torch.Tensor | None:
         policy = self.settings.replacement
