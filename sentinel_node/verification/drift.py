@@ -22,8 +22,11 @@ and reversed, in every honest deviation; a stage served by one replica has no pe
 training (the network's clean swarm of single replicas never reaches this test, nor does the quick profile's four
 replicas).
 
-Measured (docs/decisions.md, "A sender's mean activation row against its peers'"). Cost: ``pool`` vectors of
-``hidden`` floats per boundary and direction, a median over them per check, and the coherence test's state.
+Measured (docs/decisions.md, "The drift test"): on the full profile's eight replicas a stage, ``plane_rotation`` 30
+degrees on activations banned in 48 steps (F1 0.86 before, one attacker of two never banned), 180 degrees in 4
+(11.5); one honest alarm in about 11,500 activation checks of a clean run of 1,000 steps. Cost: ``pool`` vectors of
+``hidden`` floats per boundary and direction, a median over them per check (numpy's partition), and the coherence
+test's state: 1.6 ms of CPU per check at width 4,096, where the profile takes 44-75 ms.
 """
 
 from __future__ import annotations
