@@ -5,8 +5,8 @@ mean row of the activations they send (per channel, in units of the tensor's RMS
 from one replica to the next only by what the tokens of each microbatch put in it, which has no lasting direction.
 An attack that keeps every norm and every channel's spread, such as a rotation of a plane of the hidden space
 (``plane_rotation`` in the sweep), or a bias too small for any fence, moves the part of the mean that lies in what it
-touches, the same way on every tensor. So each accepted check's **deviation**, its mean row less the coordinate-wise
-median of the last ``pool`` accepted mean rows of the other senders of the boundary, goes through the whitened
+touches, the same way on every tensor. So each check's **deviation**, its mean row less the coordinate-wise median
+of the last ``pool`` accepted mean rows of the other senders of the boundary, goes through the whitened
 CUSUM of :mod:`coherence` (:class:`~sentinel_node.verification.coherence.CoherenceEvidence`): judged in the spread of
 its peers' own deviations, which take a few directions with a sign that changes from microbatch to microbatch,
 and accumulated against the other senders' scores.
