@@ -23,11 +23,18 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hivemind.utils import get_logger
+
+from sentinel_node.forkserver import ForkedProcess, ForkServer, ForkServerError
 from sentinel_node.processes import alive, command_name, descendants, start_time
 from sentinel_node.roles.status import StageStatus, TrainerStatus, VerifierStatus, read_status
 
 CLI = [sys.executable, "-c", "from sentinel_node.cli import main; main()"]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+# Nodes are forked from a process that has imported what they need (sentinel_node.forkserver) unless this is "0".
+FORK_ENV = "SENTINEL_FORK_NODES"
+
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,7 @@ class NodeProcess:
 
     name: str
     role: str
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedProcess
     log_path: Path
     status_path: Path
     identity_path: Path
@@ -105,11 +112,20 @@ class LocalSwarm:
     """Nodes of one swarm started on this machine; :meth:`stop` (or leaving the ``with`` block) ends them all."""
 
     def __init__(
-        self, workdir: Path, config_path: Path, placement: Callable[[str], Placement | None] | None = None
+        self,
+        workdir: Path,
+        config_path: Path,
+        placement: Callable[[str], Placement | None] | None = None,
+        fork: bool | None = None,
     ) -> None:
-        """``placement`` says, by node name, where each node runs (None, or no placement: on loopback here)."""
+        """``placement`` says, by node name, where each node runs (None, or no placement: on loopback here).
+        ``fork``: whether nodes without a command prefix are forked from a process that has already imported what
+        they need (seconds of CPU less per node; :mod:`sentinel_node.forkserver`) instead of exec'd; by default,
+        unless the environment's SENTINEL_FORK_NODES is 0."""
         self.workdir, self.config_path = Path(workdir), Path(config_path)
         self.placement = placement
+        self.fork = os.environ.get(FORK_ENV, "1") != "0" if fork is None else fork
+        self._forkserver: ForkServer | None = None
         self.nodes: dict[str, NodeProcess] = {}
         # pid -> start time: a pid seen once may later name another process, which must never be signalled
         self._descendants: dict[int, int] = {}
@@ -177,20 +193,37 @@ class LocalSwarm:
 
     def _launch(self, name: str, role: str, command: list[str], status_path: Path) -> NodeProcess:
         log_path = self.workdir / "logs" / f"{name}.log"
-        with log_path.open("a") as log:
-            process = subprocess.Popen(
-                command,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                stdin=subprocess.DEVNULL,
-                text=True,
-                start_new_session=True,  # its own process group: stopping it reaches its DHT child and p2pd
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        process = self._fork(command, log_path, env)
+        if process is None:
+            with log_path.open("a") as log:
+                process = subprocess.Popen(
+                    command,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    stdin=subprocess.DEVNULL,
+                    text=True,
+                    start_new_session=True,  # its own process group: stopping it reaches its DHT child and p2pd
+                    env=env,
+                )
         node = NodeProcess(name, role, process, log_path, status_path, self.identity(name), command=command)
         threading.Thread(target=node._pump, name=f"pump-{name}", daemon=True).start()
         self.nodes[name] = node
         return node
+
+    def _fork(self, command: list[str], log_path: Path, env: dict[str, str]) -> ForkedProcess | None:
+        """The node forked from the fork server (started on first use), or None where it must be exec'd: a command
+        prefix (another network namespace), forking turned off, or a server that failed (said once in the log)."""
+        if not self.fork or command[: len(CLI)] != CLI:
+            return None
+        try:
+            if self._forkserver is None:
+                self._forkserver = ForkServer(self.workdir / "logs" / "forkserver.log")
+            return self._forkserver.spawn(command[len(CLI) :], log_path, env)
+        except ForkServerError as e:
+            logger.warning(f"nodes are exec'd from now on: {e}")
+            self.fork = False
+            return None
 
     def wait_ready(self, nodes: Sequence[NodeProcess], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -231,6 +264,8 @@ class LocalSwarm:
                 os.killpg(node.process.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.process.wait(timeout=5)
+        if self._forkserver is not None:
+            self._forkserver.close()
         for pid in self.leftovers():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -247,6 +282,8 @@ class LocalSwarm:
         for node in self.nodes.values():
             if node.process.poll() is None:
                 found[node.process.pid] = command_name(node.process.pid)
+        if self._forkserver is not None and self._forkserver.alive:
+            found[self._forkserver.process.pid] = command_name(self._forkserver.process.pid)
         return dict(sorted(found.items()))
 
     def _remember_descendants(self, node: NodeProcess) -> None:
