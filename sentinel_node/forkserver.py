@@ -20,8 +20,9 @@ client the part of :class:`subprocess.Popen` the supervisor uses (pid, stdout, p
 
 Forking is safe here because the server forks from its only Python thread before any event loop, DHT, CUDA context or
 torch thread pool exists; the two native threads its imports leave (OpenBLAS's pool, torch's) have fork handlers of
-their own, and hivemind forks its DHT process from a node in the same state. A node that must run behind a command
-prefix (``ip netns exec``) is exec'd as before.
+their own, and hivemind forks its DHT process from a node in the same state. A child cannot use a CUDA driver its
+parent started, so the supervisor forks only where no GPU is visible; a node that must run behind a command prefix
+(``ip netns exec``) is exec'd as before.
 """
 
 from __future__ import annotations

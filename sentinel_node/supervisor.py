@@ -120,11 +120,16 @@ class LocalSwarm:
     ) -> None:
         """``placement`` says, by node name, where each node runs (None, or no placement: on loopback here).
         ``fork``: whether nodes without a command prefix are forked from a process that has already imported what
-        they need (seconds of CPU less per node; :mod:`sentinel_node.forkserver`) instead of exec'd; by default,
-        unless the environment's SENTINEL_FORK_NODES is 0."""
+        they need (seconds of CPU less per node; :mod:`sentinel_node.forkserver`) instead of exec'd. By default
+        they are where no GPU is visible (a process forked after the CUDA driver started cannot use it, and a node
+        on a GPU is worth its import), unless the environment's SENTINEL_FORK_NODES is 0."""
         self.workdir, self.config_path = Path(workdir), Path(config_path)
         self.placement = placement
-        self.fork = os.environ.get(FORK_ENV, "1") != "0" if fork is None else fork
+        if fork is None:
+            import torch
+
+            fork = os.environ.get(FORK_ENV, "1") != "0" and not torch.cuda.is_available()
+        self.fork = fork
         self._forkserver: ForkServer | None = None
         self.nodes: dict[str, NodeProcess] = {}
         # pid -> start time: a pid seen once may later name another process, which must never be signalled
