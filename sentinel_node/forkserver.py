@@ -51,6 +51,7 @@ PRELOAD = (
 )
 _MESSAGE = 1 << 18  # bytes of one request or report (argv and environment; far above any node's)
 _REAP_EVERY = 0.05  # seconds between the server's looks for exited children
+_CLONE_NEWNET = 0x40000000  # sched.h
 
 
 class ForkServerError(RuntimeError):
@@ -113,6 +114,12 @@ def _child(sock: socket.socket, fds: list[int], request: dict) -> None:
         for target, passed in enumerate(fds):
             os.dup2(passed, target)
             os.close(passed)
+        if request.get("netns"):
+            try:
+                _enter_netns(request["netns"])
+            except OSError as e:
+                print(f"sentinel-node: {e}", file=sys.stderr)
+                return
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -131,6 +138,25 @@ def _child(sock: socket.socket, fds: list[int], request: dict) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _enter_netns(name: str) -> None:
+    """Moves this (single-threaded) process into network namespace ``name``, as ``ip netns exec`` does before it
+    execs: every socket opened from here on, and every process started, is in it. (``ip netns exec`` also remounts
+    ``/sys`` and binds ``/etc/netns/NAME``; a node reads neither.)"""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot enter network namespace {name}: {e.strerror}") from None
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"cannot enter network namespace {name}: {os.strerror(errno)}")
+    finally:
+        os.close(fd)
 
 
 def _reseed() -> None:
@@ -240,12 +266,15 @@ class ForkServer:
         self._reader = threading.Thread(target=self._read, name="forkserver-reader", daemon=True)
         self._reader.start()
 
-    def spawn(self, argv: list[str], stderr: Path, env: dict[str, str], timeout: float = 30.0) -> ForkedProcess:
+    def spawn(
+        self, argv: list[str], stderr: Path, env: dict[str, str], timeout: float = 30.0, netns: str | None = None
+    ) -> ForkedProcess:
         """Forks ``sentinel-node ARGV`` with its stdout on a pipe (the returned process's ``stdout``, text), its stderr
-        appended to ``stderr`` and stdin empty."""
+        appended to ``stderr`` and stdin empty; in network namespace ``netns`` (a name ``ip netns add`` made) if
+        given."""
         read_end, write_end = os.pipe()
         with open(os.devnull, "rb") as devnull, open(stderr, "ab") as log, self._lock:
-            request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()
+            request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "netns": netns}).encode()
             try:
                 socket.send_fds(self._sock, [request], [devnull.fileno(), write_end, log.fileno()])
             except OSError as e:

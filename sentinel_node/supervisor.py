@@ -39,12 +39,19 @@ logger = get_logger(__name__)
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a node runs: ``prefix`` goes before its command (e.g. ``ip netns exec NS``, which execs the node in
-    place, so the process and its group stay the node's own) and it listens on ``host`` (an IPv4 address)."""
+    """Where a node runs: in network namespace ``netns`` (made by ``ip netns add``) if given, after ``prefix`` if
+    given (a command that execs the node in place, so the process and its group stay the node's own), listening on
+    ``host`` (an IPv4 address)."""
 
     prefix: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     args: tuple[str, ...] = ()  # join options the place needs (e.g. --use-auto-relay behind a NAT)
+    netns: str | None = None
+
+    @property
+    def command_prefix(self) -> tuple[str, ...]:
+        """What goes before the node's command when it is exec'd (a forked node enters ``netns`` itself)."""
+        return (*(("ip", "netns", "exec", self.netns) if self.netns else ()), *self.prefix)
 
 
 class SwarmStartError(RuntimeError):
@@ -65,6 +72,7 @@ class NodeProcess:
     maddrs: list[str] = field(default_factory=list)
     metrics_port: int | None = None
     command: list[str] = field(default_factory=list, repr=False)
+    netns: str | None = None
     lines: queue.Queue = field(default_factory=queue.Queue, repr=False)
     output: list[str] = field(default_factory=list, repr=False)
 
@@ -165,7 +173,7 @@ class LocalSwarm:
         metrics_port = free_port() if metrics else None
         placement = (self.placement(name) if self.placement else None) or Placement()
         command = [
-            *placement.prefix,
+            *placement.command_prefix,
             *CLI,
             "join",
             "--role",
@@ -181,7 +189,7 @@ class LocalSwarm:
             *placement.args,
             *args,
         ]
-        node = self._launch(name, role, command, status_path)
+        node = self._launch(name, role, command, status_path, placement.netns)
         node.metrics_port = metrics_port
         return node
 
@@ -192,14 +200,16 @@ class LocalSwarm:
         if old.alive:
             self.nodes[name] = old
             raise ValueError(f"{name} is still running; stop it first")
-        node = self._launch(name, old.role, [*old.command, *extra], old.status_path)
+        node = self._launch(name, old.role, [*old.command, *extra], old.status_path, old.netns)
         node.metrics_port = old.metrics_port
         return node
 
-    def _launch(self, name: str, role: str, command: list[str], status_path: Path) -> NodeProcess:
+    def _launch(
+        self, name: str, role: str, command: list[str], status_path: Path, netns: str | None = None
+    ) -> NodeProcess:
         log_path = self.workdir / "logs" / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        process = self._fork(command, log_path, env)
+        process = self._fork(command, log_path, env, netns)
         if process is None:
             with log_path.open("a") as log:
                 process = subprocess.Popen(
@@ -211,20 +221,29 @@ class LocalSwarm:
                     start_new_session=True,  # its own process group: stopping it reaches its DHT child and p2pd
                     env=env,
                 )
-        node = NodeProcess(name, role, process, log_path, status_path, self.identity(name), command=command)
+        node = NodeProcess(
+            name, role, process, log_path, status_path, self.identity(name), command=command, netns=netns
+        )
         threading.Thread(target=node._pump, name=f"pump-{name}", daemon=True).start()
         self.nodes[name] = node
         return node
 
-    def _fork(self, command: list[str], log_path: Path, env: dict[str, str]) -> ForkedProcess | None:
-        """The node forked from the fork server (started on first use), or None where it must be exec'd: a command
-        prefix (another network namespace), forking turned off, or a server that failed (said once in the log)."""
+    def _fork(
+        self, command: list[str], log_path: Path, env: dict[str, str], netns: str | None = None
+    ) -> ForkedProcess | None:
+        """The node forked from the fork server (started on first use), in network namespace ``netns`` if given; or
+        None where it must be exec'd: a command prefix other than the namespace's, forking turned off, or a server
+        that failed (said once in the log)."""
+        namespace = Placement(netns=netns).command_prefix
+        if command[: len(namespace)] != list(namespace):
+            return None
+        command = command[len(namespace) :]
         if not self.fork or command[: len(CLI)] != CLI:
             return None
         try:
             if self._forkserver is None:
                 self._forkserver = ForkServer(self.workdir / "logs" / "forkserver.log")
-            return self._forkserver.spawn(command[len(CLI) :], log_path, env)
+            return self._forkserver.spawn(command[len(CLI) :], log_path, env, netns=netns)
         except ForkServerError as e:
             logger.warning(f"nodes are exec'd from now on: {e}")
             self.fork = False

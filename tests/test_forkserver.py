@@ -15,7 +15,7 @@ from sentinel_node import forkserver
 from sentinel_node.demo import DEMO_CONFIG_PATH
 from sentinel_node.forkserver import ForkedProcess, ForkServer
 from sentinel_node.processes import alive
-from sentinel_node.supervisor import CLI, LocalSwarm
+from sentinel_node.supervisor import CLI, LocalSwarm, Placement
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -95,3 +95,29 @@ def test_a_swarm_whose_server_cannot_start_execs_its_nodes(tmp_path: Path, monke
 def test_a_node_behind_a_command_prefix_is_execd(tmp_path: Path):
     swarm = LocalSwarm(tmp_path, DEMO_CONFIG_PATH, fork=True)
     assert swarm._fork(["env", *CLI, "--help"], tmp_path / "x.log", {}) is None
+
+
+def test_a_node_forked_into_a_namespace_that_does_not_exist_says_so(server: ForkServer, tmp_path: Path):
+    log = tmp_path / "ns.log"
+    child = server.spawn(["--help"], log, dict(os.environ), netns="sentinel-no-such-namespace")
+    assert child.wait(timeout=30) == 1
+    assert "cannot enter network namespace sentinel-no-such-namespace" in log.read_text()
+    assert "Traceback" not in log.read_text()
+
+
+def test_a_node_forked_into_a_namespace_serves_there(tmp_path: Path):
+    import netns
+
+    why = netns.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    with netns.Network() as network:
+        host = network.add("bootstrap", hidden=False)
+        swarm = LocalSwarm(tmp_path, DEMO_CONFIG_PATH, lambda name: Placement(host=host.ip, netns=host.namespace))
+        with swarm:
+            boot = swarm.start("bootstrap", "bootstrap")
+            swarm.wait_ready([boot], timeout=90)
+            assert isinstance(boot.process, ForkedProcess)
+            assert os.readlink(f"/proc/{boot.process.pid}/ns/net") != os.readlink("/proc/self/ns/net")
+            assert any(f"/ip4/{host.ip}/" in maddr for maddr in boot.maddrs), boot.maddrs
+        assert swarm.leftovers() == {}

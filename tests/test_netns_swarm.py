@@ -66,7 +66,7 @@ def swarm(tmp_path_factory) -> Iterator[Demo]:
 
         def place(name: str) -> Placement:
             host = hosts[name]
-            return Placement(tuple(host.prefix), host.ip, ("--use-auto-relay",) if host.hidden else ())
+            return Placement(host=host.ip, args=("--use-auto-relay",) if host.hidden else (), netns=host.namespace)
 
         settings = DemoSettings(
             steps=STEPS,
