@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test test-suite test-network test-isolated test-long test-image image-smoke image-cuda test-quick fuzz lint format bench soak clean
+.PHONY: install demo test test-suite test-network test-side test-isolated test-long test-image image-smoke image-cuda test-quick fuzz lint format bench soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,17 +30,18 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-# `make test` runs three pytest streams side by side: make -j3 starts them, --output-sync prints each one's output
-# whole when it ends, and make fails if any fails. The network tests (test-network: swarms, DHT nodes,
-# subprocesses) are the longest and keep the cores; the image test (tests/test_image.py: scripts/image_smoke.sh
-# debootstraps a base, builds the cpu image with buildah and runs docker-compose.yml's bootstrap and a verifier in
-# it; mostly downloads, pip and disk) and the isolated modules (in-process only: the simulator, verification, the
-# CLI's simulate and bench; tests/conftest.py, ISOLATED) run beside them at a lower CPU priority (nice), so the
-# network tests' timing is not what waits. The isolated modules used to wait for the image test in one stream; with
-# local swarms forking their nodes (sentinel_node/forkserver.py) the network half got shorter than the two together
-# (docs/decisions.md, "Nodes forked"). test-suite runs the whole suite but the image test in one process.
+# `make test` runs two pytest streams side by side: make -j2 starts both, --output-sync prints each one's output
+# whole when it ends, and make fails if either fails. One is the network half (test-network: swarms, DHT nodes,
+# subprocesses); the other, at a lower CPU priority (nice) so the network tests' timing keeps the cores, runs the
+# image test (tests/test_image.py: scripts/image_smoke.sh debootstraps a base, builds the cpu image with buildah and
+# runs docker-compose.yml's bootstrap and a verifier in it; mostly downloads, pip and disk) and then the isolated
+# modules (in-process only: the simulator, verification, the CLI's simulate and bench; tests/conftest.py,
+# ISOLATED). Local swarms fork their nodes (sentinel_node/forkserver.py): at 3969f04 on 2 idle cores the network
+# half took 884 s (1,160 exec'd), the image test 372 s and the isolated modules 561 s after it. Three streams
+# (the image test and the isolated modules side by side, both niced) were slower: 1,093 s, every swarm's setup
+# longer (docs/decisions.md, "Nodes forked"). test-suite runs the whole suite but the image test in one process.
 test: lint
-	@$(MAKE) --no-print-directory -j3 --output-sync=target test-network test-image test-isolated
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-network test-side
 
 test-suite: $(STAMP)
 	$(BIN)/python -m pytest -q -ra --durations=30 -m "not image and not long"
@@ -48,9 +49,14 @@ test-suite: $(STAMP)
 test-network: $(STAMP)
 	$(BIN)/python -m pytest -q -ra --durations=30 -m "not image and not long and not isolated"
 
-# niced, and without pytest's cache, which the network stream writes meanwhile
+# niced, and without pytest's cache, which the other stream writes meanwhile
 IMAGE_TESTS := nice -n 10 $(BIN)/python -m pytest -q -rA -p no:cacheprovider -m image
 ISOLATED_TESTS := nice -n 10 $(BIN)/python -m pytest -q -ra --durations=15 -p no:cacheprovider -m "isolated and not long"
+
+# one after the other (as prerequisites, -j2 could start them side by side with test-network)
+test-side: $(STAMP)
+	$(IMAGE_TESTS)
+	$(ISOLATED_TESTS)
 
 test-isolated: $(STAMP)
 	$(ISOLATED_TESTS)
