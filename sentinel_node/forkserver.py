@@ -70,6 +70,11 @@ def serve(fd: int, preload: tuple[str, ...] = PRELOAD) -> None:
     selector = selectors.DefaultSelector()
     selector.register(sock, selectors.EVENT_READ)
     children: set[int] = set()
+    with contextlib.suppress(OSError):  # the client gone mid-report: the children live on, as a Popen's would
+        _serve_requests(sock, selector, children)
+
+
+def _serve_requests(sock: socket.socket, selector: selectors.BaseSelector, children: set[int]) -> None:
     while True:
         if selector.select(timeout=_REAP_EVERY):
             message, fds, _, _ = socket.recv_fds(sock, _MESSAGE, 3)
