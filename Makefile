@@ -38,9 +38,10 @@ format: $(STAMP)
 # modules (in-process only: the simulator, verification, the CLI's simulate and bench; tests/conftest.py,
 # ISOLATED). Local swarms fork their nodes (sentinel_node/forkserver.py): at 3969f04 on 2 idle cores the network
 # half took 884 s (1,160 exec'd), the image test 372 s and the isolated modules 561 s after it; at 214b35e 964, 495
-# and 563; at d2e95fd 915, 413 and 565 (make test 943, 1,077 and 990 s: over the 15-minute budget still). Three streams
-# (the image test and the isolated modules side by side, both niced) were slower: 1,093 s, every swarm's setup
-# longer (docs/decisions.md, "Nodes forked"). test-suite runs the whole suite but the image test in one process.
+# and 563; at d2e95fd 915, 413 and 565 (make test 943, 1,077 and 990 s: over the 15-minute budget still).
+# Three streams (the image test and the isolated modules side by side, both niced) were slower: 1,093 s, every
+# swarm's setup longer (docs/decisions.md, "Nodes forked"). test-suite runs the whole suite but the image test in
+# one process.
 test: lint
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-network test-side
 
