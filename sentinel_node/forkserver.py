@@ -41,6 +41,8 @@ import threading
 import time
 from pathlib import Path
 
+from sentinel_node.processes import alive
+
 # What `join` imports for any role, so a fork has nothing left to import; the server's own cost is one node's start.
 PRELOAD = (
     "sentinel_node.cli",
@@ -193,8 +195,8 @@ def _run_cli(argv: list[str]) -> int:
 class ForkedProcess:
     """A node forked by the server: what the supervisor uses of :class:`subprocess.Popen`."""
 
-    def __init__(self, pid: int, stdout, server: ForkServer) -> None:
-        self.pid, self.stdout, self._server = pid, stdout, server
+    def __init__(self, pid: int, stdout) -> None:
+        self.pid, self.stdout = pid, stdout
         self.returncode: int | None = None
         self._exited = threading.Event()
 
@@ -209,12 +211,6 @@ class ForkedProcess:
     def send_signal(self, signum: int) -> None:
         if self.returncode is None:
             os.kill(self.pid, signum)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
     def _exit(self, code: int) -> None:
         self.returncode = code
@@ -262,7 +258,7 @@ class ForkServer:
         if "ready" not in hello:
             self._kill_server()
             raise ForkServerError(
-                f"the fork server did not start ({hello.get('error', 'no answer')}): {self._stderr()}"
+                f"the fork server did not start ({hello.get('error', 'no answer')}): {self._log_tail()}"
             )
         if hello.get("threads") != 1:
             self._kill_server()
@@ -291,7 +287,7 @@ class ForkServer:
             if "pid" not in reply:
                 os.close(read_end)
                 raise ForkServerError(reply.get("error", "the fork server did not answer"))
-            child = ForkedProcess(reply["pid"], os.fdopen(read_end, "r"), self)
+            child = ForkedProcess(reply["pid"], os.fdopen(read_end, "r"))
             with self._state:
                 self._children[child.pid] = child
                 if child.pid in self._early_exits:
@@ -346,8 +342,6 @@ class ForkServer:
 
     def _orphaned(self) -> None:
         """The server is gone: its children were reparented and no one reports their exits; watch them by pid."""
-        from sentinel_node.processes import alive
-
         while self._children:
             with self._state:
                 for pid, child in list(self._children.items()):
@@ -362,7 +356,7 @@ class ForkServer:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=5)
 
-    def _stderr(self) -> str:
+    def _log_tail(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-2000:]
         except OSError:
