@@ -181,6 +181,20 @@ def served(moment: dict, name: str) -> int:
     return status.served if isinstance(status, StageStatus) else status.relayed
 
 
+def status_after_the_last_step(swarm: Demo, name: str) -> StageStatus:
+    """The stage replica's status once it says it applied the last step, or its latest after five periods.
+
+    A replica applies the last step as training ends and writes its status file every announce period, so a file
+    read straight after training can predate that step: stage1-0's once said 37 steps and 154 served of 160, and
+    the file held 40 and 164 two seconds later (2026-12-07, on idle cores, where the last 30 steps take 8 s)."""
+    deadline = time.monotonic() + 5 * swarm.config.swarm.announce_period
+    status = swarm.node(name).status()
+    while getattr(status, "last_step", None) != STEPS - 1 and time.monotonic() < deadline:
+        time.sleep(swarm.config.swarm.announce_period / 4)
+        status = swarm.node(name).status()
+    return status
+
+
 def test_training_goes_on_through_the_partitions_and_no_microbatch_is_lost_or_settled_twice(swarm):
     chaos = swarm.chaos
     assert chaos.phase in ("verifier healed", "verifier back"), (
@@ -207,14 +221,7 @@ def test_training_goes_on_through_the_partitions_and_no_microbatch_is_lost_or_se
 def test_the_cut_replica_rejoins_syncs_and_serves_again(swarm):
     chaos = swarm.chaos
     healed = chaos.moments["stage healed"]
-    # the replica applies the last step as training ends and writes its status file every announce period, so a
-    # file read straight after training can predate that step (the likely cause of one failure of this test on
-    # 2026-12-03 whose output was lost: the files the run left all held what the assertions ask)
-    deadline = time.monotonic() + 5 * swarm.config.swarm.announce_period
-    now = swarm.node("stage0-1").status()
-    while now.last_step != STEPS - 1 and time.monotonic() < deadline:
-        time.sleep(swarm.config.swarm.announce_period / 4)
-        now = swarm.node("stage0-1").status()
+    now = status_after_the_last_step(swarm, "stage0-1")
     assert now.served > served(healed, "stage0-1"), "stage0-1 served nothing after the heal"
     assert now.resyncs >= 1 and now.synced_from == swarm.peer("stage0-0"), now
     assert now.last_step == STEPS - 1
@@ -255,7 +262,7 @@ def test_every_view_converges_with_nobody_honest_excluded_or_struck(swarm):
 
 def test_a_node_behind_a_nat_is_reached_through_a_relay(swarm):
     hidden = swarm.node("stage1-0")
-    status = hidden.status()
+    status = status_after_the_last_step(swarm, "stage1-0")
     assert isinstance(status, StageStatus)
     assert status.reachability.reachable is False and status.reachability.answered_by == [swarm.peer("bootstrap")]
     log = hidden.log_tail(200000)
