@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test test-suite test-network test-side test-isolated test-long test-image image-smoke image-cuda test-quick fuzz lint format bench soak clean
+.PHONY: install demo test test-suite test-network test-swarms test-side test-isolated test-long test-image image-smoke image-cuda test-quick fuzz lint format bench soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,35 +30,43 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-# `make test` runs two pytest streams side by side: make -j2 starts both, --output-sync prints each one's output
-# whole when it ends, and make fails if either fails. One is the network half (test-network: swarms, DHT nodes,
-# subprocesses); the other, at a lower CPU priority (nice) so the network tests' timing keeps the cores, runs the
-# image test (tests/test_image.py: scripts/image_smoke.sh debootstraps a base, builds the cpu image with buildah and
-# runs docker-compose.yml's bootstrap and a verifier in it; mostly downloads, pip and disk) and then the isolated
-# modules (in-process only: the simulator, verification, the CLI's simulate and bench; tests/conftest.py,
-# ISOLATED). Local swarms fork their nodes (sentinel_node/forkserver.py): at 3969f04 on 2 idle cores the network
-# half took 884 s (1,160 exec'd), the image test 372 s and the isolated modules 561 s after it; at 214b35e 964, 495
-# and 563; at d2e95fd 915, 413 and 565 (make test 943, 1,077 and 990 s: over the 15-minute budget still).
-# Three streams (the image test and the isolated modules side by side, both niced) were slower: 1,093 s, every
-# swarm's setup longer (docs/decisions.md, "Nodes forked"). test-suite runs the whole suite but the image test in
-# one process.
+# `make test` runs three pytest streams side by side: make -j3 starts them, --output-sync prints each one's output
+# whole when it ends, and make fails if any fails.
+# - test-swarms: the modules that train a swarm of real processes for many steps (tests/conftest.py, SWARMS);
+# - test-network: the other network tests (DHT nodes, subprocesses, network namespaces), which mostly wait;
+# - test-side, at a lower CPU priority (nice) so the network tests' timing keeps the cores: the image test
+#   (tests/test_image.py: scripts/image_smoke.sh debootstraps a base, builds the cpu image with buildah and runs
+#   docker-compose.yml's bootstrap and a verifier in it; 233 CPU-s in 244 s alone, one serial chain), then the
+#   isolated modules (in-process only: the simulator, verification, the CLI's simulate and bench; tests/conftest.py,
+#   ISOLATED) in two worker processes (pytest-xdist), so that once alone they finish on both cores.
+# Each stream runs without pytest's cache, which the others would write meanwhile. On 2 idle cores the suite needs
+# about 1,580 CPU-s, so no layout gets under about 800 s; this one took 924 s at its first run (after a pip
+# reinstall), the old two streams 911-1,077 s and four streams 929 s (docs/decisions.md, "The suite's streams").
+# test-suite runs the whole suite but the image test in one process.
 test: lint
-	@$(MAKE) --no-print-directory -j2 --output-sync=target test-network test-side
+	@$(MAKE) --no-print-directory -j3 --output-sync=target test-network test-swarms test-side
 
 test-suite: $(STAMP)
 	$(BIN)/python -m pytest -q -ra --durations=30 -m "not image and not long"
 
+NETWORK := not image and not long and not isolated
 test-network: $(STAMP)
-	$(BIN)/python -m pytest -q -ra --durations=30 -m "not image and not long and not isolated"
+	$(BIN)/python -m pytest -q -ra --durations=20 -p no:cacheprovider -m "$(NETWORK) and not swarm"
 
-# niced, and without pytest's cache, which the other stream writes meanwhile
+test-swarms: $(STAMP)
+	$(BIN)/python -m pytest -q -ra --durations=10 -p no:cacheprovider -m "swarm and not long"
+
 IMAGE_TESTS := nice -n 10 $(BIN)/python -m pytest -q -rA -p no:cacheprovider -m image
-ISOLATED_TESTS := nice -n 10 $(BIN)/python -m pytest -q -ra --durations=15 -p no:cacheprovider -m "isolated and not long"
+ISOLATED_TESTS := nice -n 10 $(BIN)/python -m pytest -q -ra --durations=15 -p no:cacheprovider -n 2 --dist loadfile \
+	-m "isolated and not long"
 
-# one after the other (as prerequisites, -j2 could start them side by side with test-network)
+# one after the other (as prerequisites, -j3 could start them side by side with the network streams)
 test-side: $(STAMP)
 	$(IMAGE_TESTS)
 	$(ISOLATED_TESTS)
+
+test-image: $(STAMP)
+	$(IMAGE_TESTS)
 
 test-isolated: $(STAMP)
 	$(ISOLATED_TESTS)
@@ -70,9 +78,6 @@ test-isolated: $(STAMP)
 # idle cores, estimated, not measured).
 test-long: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m long
-
-test-image: $(STAMP)
-	$(IMAGE_TESTS)
 
 # The smoke script alone, without pytest (needs root; installs buildah and debootstrap with apt when missing).
 image-smoke:

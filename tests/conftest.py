@@ -1,5 +1,6 @@
 """Suite-wide: a SIGTERM (CI cancelling a run, `timeout`, a person's `kill`) stops the suite as Ctrl-C does; the
-modules that run in this process alone are marked ``isolated``.
+modules that run in this process alone are marked ``isolated``, and those that train a swarm of real processes
+``swarm``.
 
 By default SIGTERM ends the Python process at once, skipping every `with` block and fixture teardown, so the swarms
 the network tests started (each node in its own process group, with its p2pd) would outlive the suite. Raised as
@@ -48,7 +49,22 @@ ISOLATED = {
 }
 
 
+# Modules whose module-scoped swarms train for many steps: the most CPU of the network tests (482 of 847 CPU-s on 2
+# idle cores, 326 of 737 s). `make test` runs them in a stream of their own beside the other network tests, which
+# mostly wait (on partitions, relays, announcements, process starts) and leave a core idle (Makefile, test).
+SWARMS = {
+    "test_loss_gate_swarm",
+    "test_passage_swarm",
+    "test_pipeline_swarm",
+    "test_real_model_swarm",
+    "test_stage_state",
+}
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
-        if Path(str(item.fspath)).stem in ISOLATED:
+        stem = Path(str(item.fspath)).stem
+        if stem in ISOLATED:
             item.add_marker("isolated")
+        if stem in SWARMS:
+            item.add_marker("swarm")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import ISOLATED
+from conftest import ISOLATED, SWARMS
 
 TESTS = Path(__file__).parent
 # what a test that starts processes, nodes or sockets, or races a clock, uses (tests/netns.py, raw_dht.py, ...)
@@ -32,3 +32,9 @@ def test_every_isolated_module_exists_and_starts_nothing_it_waits_on():
         source = path.read_text()
         used = [word for word in WAITS_ON if word in source]
         assert not used, f"{name} is marked isolated but uses {used}: take it out of conftest.ISOLATED"
+
+
+def test_every_swarm_module_exists_and_is_a_network_module():
+    for name in sorted(SWARMS):
+        assert (TESTS / f"{name}.py").is_file(), f"conftest.SWARMS names {name}, which is not a test module"
+    assert not SWARMS & ISOLATED, f"{sorted(SWARMS & ISOLATED)} cannot run in-process alone and start swarms"
