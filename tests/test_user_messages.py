@@ -85,15 +85,25 @@ def test_an_averager_stopped_during_a_round_ends_the_round_without_a_traceback()
         def finalize(self, *, cancel: bool = False) -> None:
             self.cancelled = cancel
 
+    class Handle:  # the averager's handle on p2pd
+        closed = False
+
+        async def shutdown(self) -> None:
+            self.closed = True
+
+    handle = Handle()
+
     async def stop(shutdown) -> tuple:
         loop = asyncio.get_running_loop()
         forming, running, runner = loop.create_future(), loop.create_future(), Runner()
         running.set_result(runner)
-        averager = SimpleNamespace(client_mode=True, _running_groups={b"forming": forming, b"running": running})
+        groups = {b"forming": forming, b"running": running}
+        averager = SimpleNamespace(client_mode=True, _running_groups=groups, _p2p=handle)
         await shutdown(averager, 1.0)
         return forming, runner
 
     forming, runner = asyncio.run(stop(ExcludingAverager._shutdown))
     assert forming.cancelled() and runner.cancelled is True
+    assert handle.closed  # hivemind's own leaves it open, and its socket file in /tmp
     with pytest.raises(AttributeError, match="finalize"):
         asyncio.run(stop(DecentralizedAverager._shutdown))

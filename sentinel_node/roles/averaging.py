@@ -85,7 +85,7 @@ class ExcludingAverager(DecentralizedAverager):
         """Stops every all-reduce round still running. hivemind 1.1.12's own calls ``finalize`` on the futures that
         hold each registered group's runner (an AttributeError traceback in the log of a stage stopped during a
         round: the netns swarm's stage0-1, 2026-12-04): here a runner is finalized, a group still forming
-        cancelled."""
+        cancelled, and the averager's handle on p2pd is closed."""
         if not self.client_mode:
             await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
         for registered in list(self._running_groups.values()):
@@ -93,6 +93,10 @@ class ExcludingAverager(DecentralizedAverager):
                 registered.result().finalize(cancel=True)
             else:
                 registered.cancel()
+        # the averager's own handle on the DHT's p2pd listens on a unix socket in /tmp that hivemind's shutdown
+        # never closes: every stopped stage left one file behind (2026-12-07). Closing the handle is local (p2pd
+        # and the DHT stay up for the node) and removes the file.
+        await self._p2p.shutdown()
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
