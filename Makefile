@@ -49,9 +49,8 @@ test: lint
 test-suite: $(STAMP)
 	$(BIN)/python -m pytest -q -ra --durations=30 -m "not image and not long"
 
-NETWORK := not image and not long and not isolated
 test-network: $(STAMP)
-	$(BIN)/python -m pytest -q -ra --durations=20 -p no:cacheprovider -m "$(NETWORK) and not swarm"
+	$(BIN)/python -m pytest -q -ra --durations=20 -p no:cacheprovider -m "not image and not long and not isolated and not swarm"
 
 test-swarms: $(STAMP)
 	$(BIN)/python -m pytest -q -ra --durations=10 -p no:cacheprovider -m "swarm and not long"
