@@ -187,6 +187,12 @@ class VerificationConfig(_Strict):
     forgive_steps: int = Field(
         50, ge=0, description="global steps without a flag that forgive one strike too (0: clean checks alone)"
     )
+    repeat_within: int = Field(
+        4,
+        ge=0,
+        description="a fence crossing (not blatant) of a sender with peers strikes only if the sender's previous flag "
+        "came within this many of its checks; an isolated one is a suspicion, audited (0: every crossing strikes)",
+    )
     blatant_severity: float = Field(
         4.0, gt=1, description="a flag this far over its threshold (severity: 1 at the threshold) weighs two strikes"
     )

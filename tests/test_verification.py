@@ -574,6 +574,45 @@ def test_a_lone_senders_isolated_flags_are_suspicions_and_repeated_ones_strike()
     assert ledger.is_banned("off")
 
 
+def test_a_sender_with_peers_is_struck_for_repeated_crossings_and_an_isolated_one_is_a_suspicion():
+    """Two honest stage-2 replicas of the full profile's sweep (`start_blatant`, 8 replicas a stage), banned at the
+    head of 2026-12-07 on moderate flags of a training event: one crossed a fence twice in one step and once 39
+    steps later; the other crossed one, raised a coherence alarm two checks later, and crossed one again at the next
+    check. A crossing of a sender with peers strikes now only when it repeats a flag of the sender's last four
+    checks; an attacker whose tensors keep crossing is banned one flag later than before."""
+    ledger = SenderStrikes(strike_limit=3, forgive_after=100, forgive_steps=50, repeat_within=4)
+    checks = [(step, False) for step in range(60, 83)] + [(83, True), (83, True)]
+    checks += [(step, False) for step in range(84, 122)] + [(122, True)]
+    for step, flagged in checks:
+        ledger.record("twice-in-a-step", flagged, now=step, repeated_only=True)
+    record = ledger.senders["twice-in-a-step"]
+    assert (record.flags, record.strikes, record.banned) == (3, 1, False) and record.suspicions >= 1
+    for step in (136, 136, 137, 138, 139):
+        ledger.record("in-an-event", False, now=step)
+    ledger.record("in-an-event", True, now=141, repeated_only=True)  # a fence crossed: a suspicion
+    ledger.record("in-an-event", False, now=143)
+    ledger.record("in-an-event", True, now=143)  # a sequential test's alarm strikes as before
+    ledger.record("in-an-event", True, now=144, repeated_only=True)  # repeats it: a strike
+    assert (ledger.senders["in-an-event"].strikes, ledger.is_banned("in-an-event")) == (2, False)
+    old = SenderStrikes(strike_limit=3, forgive_after=100, forgive_steps=50)  # every crossing a strike: both banned
+    for step, flagged in checks:
+        old.record("twice-in-a-step", flagged, now=step, repeated_only=True)
+    assert old.is_banned("twice-in-a-step")
+    for step in range(10):
+        ledger.record("keeps-crossing", False, now=step)
+    banned_at = [ledger.record("keeps-crossing", True, now=10 + i, repeated_only=True).banned for i in range(4)]
+    assert banned_at == [False, False, False, True]
+    banned_at = [
+        ledger.record("every-other-check", i % 2 == 0, now=20 + i, repeated_only=True).banned for i in range(7)
+    ]
+    assert banned_at[-1] and not any(banned_at[:-1])  # its 4th crossing, 2 checks apart each
+    ledger.record("blatant", True, weight=2, blatant=True, repeated_only=True)
+    assert ledger.senders["blatant"].strikes == 2  # a blatant crossing strikes at once, isolated or not
+    for i in range(30):  # one crossing in six checks: suspicions only, left to the sequential tests and the audits
+        ledger.record("sparse", i % 6 == 0, repeated_only=True)
+    assert ledger.senders["sparse"].strikes == 0 and ledger.suspect("sparse")
+
+
 def test_ledger_forgives_one_strike_after_f_clean_checks():
     ledger = SenderStrikes(strike_limit=3, forgive_after=10)
     ledger.record("peer", True)
@@ -1268,7 +1307,8 @@ def test_a_moderate_attack_starting_in_warm_up_is_flagged_there_where_peers_are_
     if fenced_after:
         first = attacked[0][0]
         assert first.flagged and not first.blatant and 1 < first.severity < 4, (first.scores, first.thresholds)
-        assert [banned for _, banned in attacked[:3]] == [False, False, True]  # three strikes of one
+        # its first crossing is a suspicion (isolated), each one after it repeats and strikes: banned at its fourth
+        assert [banned for _, banned in attacked[:4]] == [False, False, False, True]
     else:
         assert not any(v.flagged for v, _ in attacked)
 

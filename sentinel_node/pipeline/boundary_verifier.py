@@ -54,6 +54,7 @@ class BoundaryVerifier:
             config.max_senders,
             config.probation,
             config.forgive_steps,
+            config.repeat_within,
         )
 
         def monitor(boundary: int, direction: str) -> BoundaryMonitor:

@@ -87,6 +87,8 @@ class MonitorSettings:
     drift_limit: float = 0.0  # its evidence that flags (0: off)
     private_seed: int | None = None  # what the stages judged must not know (the tests' sketches); None: the OS's
     metrics: tuple[str, ...] = tuple(METRICS)  # those judged at this boundary and direction
+    repeat_within: int = 0  # a moderate crossing of a sender with peers strikes only within this many of its checks
+    # of its previous flag (strikes.py; 0: every crossing strikes)
 
 
 class VerdictKind(Enum):
@@ -277,6 +279,7 @@ class BoundaryMonitor:
                 settings.max_senders,
                 settings.probation,
                 settings.forgive_steps,
+                settings.repeat_within,
             )
         )
         self.generator = torch.Generator().manual_seed(settings.seed)
@@ -365,8 +368,18 @@ class BoundaryMonitor:
                 # inside these fences: the crossing is then this sender's own, and an attacker beside one honest
                 # replica would walk the EMA to itself within a step (docs/decisions.md)
                 self.baseline.update(profile)
-            step = step if alone else None  # with peers, a shift of one sender's own is evidence on every tensor
-            return self._flag(tensor, sender, VerdictKind.METRIC, over=over, blatant=blatant, step=step, **evidence)
+            # with peers, a crossing of one sender's own is evidence on every tensor that repeats it (strikes.py)
+            step = step if alone else None
+            return self._flag(
+                tensor,
+                sender,
+                VerdictKind.METRIC,
+                over=over,
+                blatant=blatant,
+                step=step,
+                repeated=not alone,
+                **evidence,
+            )
         if coherent is not None:
             return self._flag(
                 tensor, sender, VerdictKind.COHERENCE, over=("coherence",), coherence=coherent, **evidence
@@ -458,12 +471,22 @@ class BoundaryMonitor:
         step: int | None = None,
         now: int | None = None,
         strike: bool = True,
+        repeated: bool = False,
     ) -> Verdict:
         """`step` only for a lone sender's moderate fence crossings: those of one step are one piece of evidence
-        (:meth:`SenderStrikes.record`). A malformed tensor, a replay, a blatant crossing, and a crossing its peers
-        do not share are evidence each. `strike` False: a suspicion only (the passage)."""
+        (:meth:`SenderStrikes.record`). `repeated` for a sender with peers' moderate fence crossing its peers do not
+        share: a strike when it repeats a recent flag of the sender, a suspicion when isolated. A malformed tensor, a
+        replay, a blatant crossing and an alarm of the sequential tests are evidence each. `strike` False: a
+        suspicion only (the passage)."""
         record = self.ledger.record(
-            sender, True, weight=2 if blatant else 1, blatant=blatant, step=step, now=now, strike=strike
+            sender,
+            True,
+            weight=2 if blatant else 1,
+            blatant=blatant,
+            step=step,
+            now=now,
+            strike=strike,
+            repeated_only=repeated,
         )
         if record.banned:
             self.peer_reference.forget(sender)

@@ -36,6 +36,7 @@ class SenderRecord:
     flagged_step: int | None = None  # the global step of its last flag that came with one (a lone sender's)
     suspicions: int = 0  # flags that carry no strike (the gradient passage), not yet forgiven: audits decide
     quiet_since: int | None = None  # the global step of its last flag, or of its last strike forgiven by time
+    flagged_check: int | None = None  # `checks` at its last flag of any kind
 
     @property
     def clean(self) -> int:
@@ -64,8 +65,10 @@ class SenderStrikes:
         max_senders: int = 64,
         probation: int = 0,
         forgive_steps: int = 0,
+        repeat_within: int = 0,
     ):
         self.strike_limit, self.forgive_after = strike_limit, forgive_after
+        self.repeat_within = repeat_within
         self.forgive_steps = forgive_steps
         self.probation = probation
         self.recorded = 0  # checks recorded in all, for telling founders from newcomers
@@ -113,6 +116,7 @@ class SenderStrikes:
         step: int | None = None,
         now: int | None = None,
         strike: bool = True,
+        repeated_only: bool = False,
     ) -> SenderRecord:
         """Counts one check of `sender`; a flag adds `weight` strikes (and a mark when `blatant`), or with `strike`
         False a suspicion only: a flag of a test that cannot tell the sender's lie from honest work gone wrong
@@ -135,7 +139,14 @@ class SenderStrikes:
         replica is checked at a boundary about once in two steps, so 100 clean checks took 200 steps, and an honest
         replica of the full profile that crossed a fence just over its threshold at steps 88 and 144 still held both
         strikes at step 298, when a third just-over crossing banned it (docs/decisions.md, "Strikes are forgiven
-        by time too")."""
+        by time too").
+
+        `repeated_only`, for a moderate fence crossing of a sender with peers (with `repeat_within` > 0): the flag
+        strikes only when it repeats, the sender's previous flag (of any test) having come within its last
+        `repeat_within` checks here; an isolated one is a suspicion. The same rule as a lone sender's, counted in
+        the sender's own checks, as a replica of a stage of many is checked once in several steps. Honest replicas'
+        crossings are events of training, isolated among their checks; an attacker's tensors cross again and again
+        (docs/decisions.md, "An isolated crossing is a suspicion for every sender")."""
         rec = self._record(sender)
         self.recorded += 1
         probation = self._probation(rec)
@@ -143,9 +154,12 @@ class SenderStrikes:
         if flagged:
             rec.flags += 1
             rec.clean_streak = 0
+            previous, rec.flagged_check = rec.flagged_check, rec.checks
             if now is not None:
                 rec.quiet_since = now
-            if not strike:
+            judged_on_repeats = repeated_only and self.repeat_within > 0 and not blatant
+            isolated_here = previous is None or rec.checks - previous > self.repeat_within
+            if not strike or (judged_on_repeats and isolated_here):
                 rec.suspicions = min(rec.suspicions + 1, self.strike_limit)
                 return rec
             stepped = not blatant and step is not None
