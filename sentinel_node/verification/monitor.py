@@ -15,7 +15,8 @@ Four tests, each for what the others miss:
 A fence crossed, not blatantly, while a quarter of the other senders crossed it too is the boundary moving
 (:mod:`shift`): accepted, and learned from.
 
-Strikes are weighted by the evidence (:mod:`strikes`).
+Strikes are weighted by the evidence (:mod:`strikes`), and a moderate crossing of a sender with peers strikes only
+when it repeats a recent flag of the sender: an isolated one is a suspicion, audited.
 
 Given the gradient its sender was given, a gradient is also judged on its passage through the sender's layers
 (:mod:`passage`): a flag there drops the gradient and makes the sender a suspect, never a strike; the caller has
