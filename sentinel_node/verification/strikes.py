@@ -160,16 +160,14 @@ class SenderStrikes:
             judged_on_repeats = repeated_only and self.repeat_within > 0 and not blatant
             isolated_here = previous is None or rec.checks - previous > self.repeat_within
             if not strike or (judged_on_repeats and isolated_here):
-                rec.suspicions = min(rec.suspicions + 1, self.strike_limit)
-                return rec
+                return self._suspect_more(rec)
             stepped = not blatant and step is not None
             repeated = stepped and rec.struck_step == step
             isolated = stepped and (rec.flagged_step is None or not 0 <= step - rec.flagged_step <= 1)
             if stepped:
                 rec.flagged_step = step
             if isolated and not rec.banned:
-                rec.suspicions = min(rec.suspicions + 1, self.strike_limit)
-                return rec
+                return self._suspect_more(rec)
             if not rec.banned and not repeated:
                 if stepped:
                     rec.struck_step = step
@@ -196,6 +194,11 @@ class SenderStrikes:
                 rec.blatant_streak = 0
         else:
             rec.clean_streak += 1
+        return rec
+
+    def _suspect_more(self, rec: SenderRecord) -> SenderRecord:
+        """A flag that carries no strike: one suspicion more (at most the strike limit's worth)."""
+        rec.suspicions = min(rec.suspicions + 1, self.strike_limit)
         return rec
 
     def _quiet_long_enough(self, rec: SenderRecord, now: int | None) -> bool:
