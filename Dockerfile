@@ -71,7 +71,7 @@ RUN set -eu; \
     esac; \
     if [ -n "$WHEELS" ]; then source="--no-index --find-links $WHEELS"; \
     elif [ -n "$index" ]; then source="--index-url $index"; else source=""; fi; \
-    pip install --no-cache-dir $source "torch==$TORCH_VERSION"; \
+    pip install --no-cache-dir --no-compile $source "torch==$TORCH_VERSION"; \
     python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
 
 # The project's dependencies (from pyproject.toml alone, so this layer stays cached while the code changes);
@@ -86,16 +86,18 @@ print("\n".join(p["dependencies"] + [r for e in sys.argv[2:] for r in p["optiona
         /opt/sentinel-node/pyproject.toml $extras > /tmp/requirements.txt; \
     if [ "$VARIANT" = cuda ]; then echo "bitsandbytes==$BITSANDBYTES_VERSION" >> /tmp/requirements.txt; fi; \
     cat /tmp/requirements.txt; \
-    pip install --no-cache-dir $source --only-binary hivemind -r /tmp/requirements.txt; \
+    pip install --no-cache-dir --no-compile $source --only-binary hivemind -r /tmp/requirements.txt; \
     rm /tmp/requirements.txt
 
-# The project itself, editable (configs/ links to the package's own sentinel_node/configs/).
+# The project itself, editable (configs/ links to the package's own sentinel_node/configs/). Bytecode only for what
+# the commands import (scripts/compile_imports.py): the pip installs above compile nothing, where compiling every file
+# took 360 MB and most of the build's CPU time for modules no node imports.
 COPY . /opt/sentinel-node
 RUN set -eu; \
     if [ -n "$CA_BUNDLE" ]; then export PIP_CERT="$CA_BUNDLE"; fi; \
     if [ -n "$WHEELS" ]; then source="--no-index --find-links $WHEELS"; else source=""; fi; \
-    pip install --no-cache-dir $source --no-deps -e /opt/sentinel-node; \
-    python -m compileall -q /opt/sentinel-node/sentinel_node /opt/sentinel-node/peers /opt/sentinel-node/dht; \
+    pip install --no-cache-dir --no-compile $source --no-deps -e /opt/sentinel-node; \
+    home="$(mktemp -d)"; HOME="$home" python /opt/sentinel-node/scripts/compile_imports.py; rm -rf "$home"; \
     pip check
 
 # An unprivileged user whose home is the data volume (Ubuntu's images already hold a user with uid 1000). /swarm is

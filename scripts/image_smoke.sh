@@ -80,6 +80,7 @@ t=$SECONDS
     fail "buildah bud failed"
 }
 grep -E '^torch [0-9]' "$WORK/build.log" | sed 's/^/SMOKE build: /'
+grep -E '^bytecode for ' "$WORK/build.log" | sed 's/^/SMOKE build: /'
 size="$("${B[@]}" images --format '{{.Size}}' "$IMAGE_TAG")"
 say "time build=$((SECONDS - t))s (image $IMAGE_TAG, $size)"
 
@@ -92,6 +93,14 @@ run() { "${B[@]}" run --isolation chroot "$ctr" -- "$@"; }
 say "run id: $(run id -un):$(run id -gn), HOME=$(run sh -c 'echo $HOME'), data owned by $(run stat -c %U /data)"
 run python -c 'import torch, hivemind; print("SMOKE run versions: torch", torch.__version__, "hivemind",
     hivemind.__version__, "cuda", torch.version.cuda)'
+# the image compiles only what the commands import (scripts/compile_imports.py): a node's imports must all be there,
+# or every container start compiles them again (its user cannot write to the venv)
+run python -c 'import os, sys
+import sentinel_node.cli.main, sentinel_node.roles.stage, sentinel_node.roles.trainer, sentinel_node.roles.verifier
+cached = [m.__name__ for m in list(sys.modules.values()) if isinstance(getattr(m, "__cached__", None), str)]
+missing = [name for name in cached if not os.path.exists(sys.modules[name].__cached__)]
+print("SMOKE run bytecode:", len(cached) - len(missing), "of", len(cached), "modules a node imports; without:", missing[:5])
+sys.exit(bool(missing))' || fail "modules a node imports have no bytecode in the image (scripts/compile_imports.py)"
 help="$(run sentinel-node --help)" || fail "sentinel-node --help failed"
 for command in join demo simulate swarm bench; do
     grep -qE "^  $command " <<<"$help" || fail "sentinel-node --help lists no '$command': $help"
