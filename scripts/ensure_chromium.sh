@@ -7,6 +7,11 @@ CHROMIUM=${CHROMIUM:-/usr/bin/chromium}
 if [ -x "$CHROMIUM" ]; then echo "$CHROMIUM"; exit 0; fi
 [ "$(id -u)" = 0 ] || { echo "chromium missing and not root: cannot install it" >&2; exit 77; }
 command -v apt-get >/dev/null || { echo "chromium missing and no apt-get to install it" >&2; exit 77; }
+# one apt at a time: the image test may be installing buildah (scripts/image_lib.sh); and it may have been installed
+# while this waited
+exec 9>/tmp/sentinel-apt.lock
+flock 9
+if [ -x "$CHROMIUM" ]; then echo "$CHROMIUM"; exit 0; fi
 echo "installing chromium with apt-get" >&2
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq

@@ -31,8 +31,11 @@ need_buildah() {
         command -v apt-get >/dev/null || skip "${missing[*]} missing and no apt-get to install them"
         say "installing ${missing[*]} with apt-get"
         apt_started=$SECONDS
-        DEBIAN_FRONTEND=noninteractive apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+        (   # one apt at a time: the suite's browser test may be installing chromium (scripts/ensure_chromium.sh)
+            flock 9
+            DEBIAN_FRONTEND=noninteractive apt-get update -qq
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+        ) 9>/tmp/sentinel-apt.lock
         say "time apt=$((SECONDS - apt_started))s"
     fi
     unshare --mount --uts --ipc true 2>/dev/null || skip "cannot create mount namespaces here (an unprivileged container?)"

@@ -27,6 +27,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict
 
 from sentinel_node.config import Config, load_config
+from sentinel_node.forkserver import ForkServer
 from sentinel_node.roles.status import AccountingStatus, VerifierStatus
 from sentinel_node.supervisor import LocalSwarm, NodeProcess, Placement, SwarmStartError, follow_json_lines
 
@@ -56,6 +57,7 @@ class DemoSettings:
     trusted_verifiers: bool = True  # False: an open verifier set, where a ban takes two verifiers (ban_quorum 2)
     silent_verifiers: int = 0  # the first N verifiers relay without checking (a verifier that stopped checking)
     placement: Callable[[str], Placement | None] | None = None  # where each node runs (None: here, on loopback)
+    forkserver: ForkServer | None = None  # one shared with other swarms (None: the swarm starts its own)
 
 
 class AttackerInfo(BaseModel):
@@ -165,7 +167,9 @@ class Demo:
         if settings.replicas < 2 and settings.attack is not None:
             raise ValueError("with an attacker, every stage needs at least 2 replicas so an honest one remains")
         (self.workdir / "identities").mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.swarm = LocalSwarm(self.workdir, self.workdir / "swarm.yaml", settings.placement)
+        self.swarm = LocalSwarm(
+            self.workdir, self.workdir / "swarm.yaml", settings.placement, forkserver=settings.forkserver
+        )
         verifier_ids = []
         for name in self.verifier_names():  # a workdir used before keeps its identities
             path = self.swarm.identity(name)

@@ -125,12 +125,16 @@ class LocalSwarm:
         config_path: Path,
         placement: Callable[[str], Placement | None] | None = None,
         fork: bool | None = None,
+        forkserver: ForkServer | None = None,
     ) -> None:
         """``placement`` says, by node name, where each node runs (None, or no placement: on loopback here).
         ``fork``: whether nodes without a command prefix are forked from a process that has already imported what
         they need (seconds of CPU less per node; :mod:`sentinel_node.forkserver`) instead of exec'd. By default
         they are where no GPU is visible (a process forked after the CUDA driver started cannot use it, and a node
-        on a GPU is worth its import), unless the environment's SENTINEL_FORK_NODES is 0."""
+        on a GPU is worth its import), unless the environment's SENTINEL_FORK_NODES is 0.
+        ``forkserver``: a server shared with other swarms (its imports paid once for all of them), which this swarm
+        forks from and leaves running: its owner closes it. None: the swarm starts its own on first use, and
+        :meth:`stop` ends it."""
         self.workdir, self.config_path = Path(workdir), Path(config_path)
         self.placement = placement
         if fork is None:
@@ -138,7 +142,8 @@ class LocalSwarm:
 
             fork = os.environ.get(FORK_ENV, "1") != "0" and not torch.cuda.is_available()
         self.fork = fork
-        self._forkserver: ForkServer | None = None
+        self._forkserver: ForkServer | None = forkserver
+        self._owns_forkserver = forkserver is None
         self.nodes: dict[str, NodeProcess] = {}
         # pid -> start time: a pid seen once may later name another process, which must never be signalled
         self._descendants: dict[int, int] = {}
@@ -288,7 +293,7 @@ class LocalSwarm:
                 os.killpg(node.process.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.process.wait(timeout=5)
-        if self._forkserver is not None:
+        if self._forkserver is not None and self._owns_forkserver:
             self._forkserver.close()
         for pid in self.leftovers():
             with contextlib.suppress(ProcessLookupError):
@@ -306,7 +311,7 @@ class LocalSwarm:
         for node in self.nodes.values():
             if node.process.poll() is None:
                 found[node.process.pid] = command_name(node.process.pid)
-        if self._forkserver is not None and self._forkserver.alive:
+        if self._forkserver is not None and self._owns_forkserver and self._forkserver.alive:
             found[self._forkserver.process.pid] = command_name(self._forkserver.process.pid)
         return dict(sorted(found.items()))
 

@@ -10,7 +10,12 @@ KeyboardInterrupt, the signal unwinds the running test: its swarms stop, and pyt
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
+
+from sentinel_node.forkserver import ForkServer, ForkServerError
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -68,3 +73,18 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker("isolated")
         if stem in SWARMS:
             item.add_marker("swarm")
+
+
+@pytest.fixture(scope="session")
+def forkserver(tmp_path_factory) -> Iterator[ForkServer | None]:
+    """One fork server for the session's swarms (LocalSwarm's and DemoSettings' ``forkserver``): each swarm that
+    started its own paid its imports, about 10 CPU seconds and, beside the suite's other streams, 20 to 40 s before
+    its first node. None where it cannot start: the swarms then start their own (and exec their nodes if that fails
+    too). The tests of the fork server itself start their own."""
+    try:
+        server = ForkServer(tmp_path_factory.mktemp("forkserver") / "forkserver.log")
+    except ForkServerError:
+        yield None
+        return
+    yield server
+    server.close()

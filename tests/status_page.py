@@ -79,6 +79,16 @@ def chromium() -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
+def install_chromium_meanwhile() -> threading.Thread:
+    """Installs chromium in the background where it is missing (a fresh machine: apt-get, a minute or so), so that a
+    test can start its swarm meanwhile rather than keep it running idle while the browser installs; join the thread
+    before :func:`browser_page`, whose own check then finds it installed."""
+    script = [str(ROOT / "scripts" / "ensure_chromium.sh")]
+    thread = threading.Thread(target=subprocess.run, args=(script,), kwargs={"capture_output": True}, daemon=True)
+    thread.start()
+    return thread
+
+
 @contextlib.contextmanager
 def browser_page(user_data_dir: Path) -> Iterator[object]:
     """A playwright page of a fresh headless Chromium profile."""

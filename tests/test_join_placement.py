@@ -78,11 +78,11 @@ def loads(peer: str) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory) -> Iterator[LocalSwarm]:
+def swarm(tmp_path_factory, forkserver) -> Iterator[LocalSwarm]:
     workdir = tmp_path_factory.mktemp("placement")
     config_path = workdir / "swarm.yaml"
     config_path.write_text(yaml.safe_dump(CONFIG))
-    with LocalSwarm(workdir, config_path) as running:
+    with LocalSwarm(workdir, config_path, forkserver=forkserver) as running:
         bootstrap = running.start("bootstrap", "bootstrap")
         running.wait_ready([bootstrap], 150)
         running.checks = {"empty": swarm_cli("status", "--check", "--initial-peers", bootstrap.maddrs[0]).exit_code}

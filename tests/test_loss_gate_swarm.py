@@ -58,10 +58,10 @@ class GatedSwarm:
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory) -> Iterator[GatedSwarm]:
+def swarm(tmp_path_factory, forkserver) -> Iterator[GatedSwarm]:
     workdir = Path(tmp_path_factory.mktemp("gate-swarm"))
     (workdir / "identities").mkdir(mode=0o700)
-    local = LocalSwarm(workdir, workdir / "swarm.yaml")
+    local = LocalSwarm(workdir, workdir / "swarm.yaml", forkserver=forkserver)
     verifiers = [create_identity_file(local.identity(name)).peer_id for name in VERIFIERS]
     config = load_config(DEMO_CONFIG_PATH).with_overrides(
         verification={

@@ -50,7 +50,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory) -> Iterator[Demo]:
+def swarm(tmp_path_factory, forkserver) -> Iterator[Demo]:
     why = netns.unavailable()
     if why is not None:
         pytest.skip(why)
@@ -69,6 +69,7 @@ def swarm(tmp_path_factory) -> Iterator[Demo]:
             return Placement(host=host.ip, args=("--use-auto-relay",) if host.hidden else (), netns=host.namespace)
 
         settings = DemoSettings(
+            forkserver=forkserver,
             steps=STEPS,
             attack=None,
             replicas=1,

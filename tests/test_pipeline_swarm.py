@@ -30,7 +30,7 @@ from hivemind.proto.runtime_pb2 import Tensor as WireTensor
 from hivemind.utils import get_dht_time
 from prometheus_client.parser import text_string_to_metric_families
 from raw_dht import raw_store_signed
-from status_page import browser_page, get_json, status_server
+from status_page import browser_page, get_json, install_chromium_meanwhile, status_server
 
 from dht import (
     DHTUnavailable,
@@ -85,8 +85,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the module's swarm 
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> Iterator[Demo]:
+def demo(tmp_path_factory, forkserver) -> Iterator[Demo]:
     settings = DemoSettings(
+        forkserver=forkserver,
         steps=STEPS,
         attack="random",
         attack_start=ATTACK_START,
@@ -94,6 +95,8 @@ def demo(tmp_path_factory) -> Iterator[Demo]:
         eval_every=6,
         start_timeout=400.0,  # generous: other jobs may load the machine
     )
+    # on a fresh machine the status page's browser installs while the swarm starts, not while it waits trained
+    browser = install_chromium_meanwhile()
     # the flood's 100 RSA keys take 5 s of CPU on an idle core: made while the swarm starts, not after it
     fakes: list[Identity] = []
     making = threading.Thread(target=lambda: fakes.extend(ephemeral_identity() for _ in range(FAKE_VERIFIERS)))
@@ -131,6 +134,7 @@ def demo(tmp_path_factory) -> Iterator[Demo]:
             if flooding.ident is not None:
                 flooding.join(timeout=120)
             flooder.close()
+            browser.join(timeout=600)
         running.flooded = flooder.flooded
         running.scrapes["after"] = {name: scrape(running.node(name)) for name in SCRAPED if name != "trainer"}
         running.result = running.summary()

@@ -23,8 +23,9 @@ STEPS, ATTACK_START = 30, 14
     "let it go 6 s later, two never did; the simulator and unit tests do (issue 14, closing note of 2026-12-01)",
     strict=False,
 )
-def test_the_trainer_notices_a_verifier_that_relays_without_checking(tmp_path):
+def test_the_trainer_notices_a_verifier_that_relays_without_checking(tmp_path, forkserver):
     settings = DemoSettings(
+        forkserver=forkserver,
         steps=STEPS,
         attack="random",
         attack_target="activation",

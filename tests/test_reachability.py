@@ -110,9 +110,9 @@ def test_nobody_to_ask_or_nobody_answering_is_unknown_not_unreachable(pair):
 
 
 @pytest.mark.slow
-def test_an_unreachable_node_says_what_to_open_and_is_announced_relayed(tmp_path):
+def test_an_unreachable_node_says_what_to_open_and_is_announced_relayed(tmp_path, forkserver):
     port = closed_port()
-    with LocalSwarm(tmp_path, DEMO_CONFIG_PATH) as swarm:
+    with LocalSwarm(tmp_path, DEMO_CONFIG_PATH, forkserver=forkserver) as swarm:
         bootstrap = swarm.start("bootstrap", "bootstrap")
         swarm.wait_ready([bootstrap], 60)
         hidden = swarm.start("verifier", "verifier", "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{port}")

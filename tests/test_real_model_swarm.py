@@ -39,7 +39,7 @@ def _run_trainer(demo: Demo, name: str, steps: int, state_dir: Path) -> list[dic
     return records
 
 
-def test_a_streamed_real_data_swarm_trains_resumes_and_exports(tmp_path):
+def test_a_streamed_real_data_swarm_trains_resumes_and_exports(tmp_path, forkserver):
     tokenizer = train_tokenizer(tmp_path / "tokenizer")
     dataset = make_dataset(tmp_path / "docs")
     base = load_config(Path(__file__).resolve().parent.parent / "sentinel_node" / "configs" / "demo.yaml")
@@ -51,6 +51,7 @@ def test_a_streamed_real_data_swarm_trains_resumes_and_exports(tmp_path):
     config_path = tmp_path / "swarm.yaml"
     config_path.write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
     settings = DemoSettings(
+        forkserver=forkserver,
         attack=None,
         replicas=1,
         verifiers=1,

@@ -21,8 +21,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory) -> Iterator[Demo]:
+def swarm(tmp_path_factory, forkserver) -> Iterator[Demo]:
     settings = DemoSettings(
+        forkserver=forkserver,
         steps=FIRST_RUN,
         attack=None,
         replicas=1,

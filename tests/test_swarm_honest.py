@@ -17,8 +17,9 @@ STEPS = 90
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
-def test_a_long_clean_swarm_of_single_replicas_bans_no_honest_stage(tmp_path):
+def test_a_long_clean_swarm_of_single_replicas_bans_no_honest_stage(tmp_path, forkserver):
     settings = DemoSettings(
+        forkserver=forkserver,
         steps=STEPS,
         attack=None,
         replicas=1,
