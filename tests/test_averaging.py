@@ -12,7 +12,12 @@ from sentinel_node.roles.averaging import ExcludingAverager
 
 def listening_paths(pid: int) -> list[Path]:
     """The filesystem paths of the unix sockets process ``pid`` holds (from /proc)."""
-    inodes = {str(fd.readlink())[len("socket:[") : -1] for fd in Path(f"/proc/{pid}/fd").iterdir()}
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            inodes.add(str(fd.readlink())[len("socket:[") : -1])
+        except FileNotFoundError:  # closed since the listing: a socket it no longer holds
+            continue
     rows = [line.split() for line in Path("/proc/net/unix").read_text().splitlines()[1:]]
     return [Path(row[7]) for row in rows if len(row) >= 8 and row[6] in inodes and row[7].startswith("/")]
 
