@@ -4,7 +4,7 @@
 #
 #   1. docker-compose.yml through a real compose parser (`docker-compose config`): the four stages reserve one
 #      NVIDIA GPU each, nothing else does, and the build arguments are the Dockerfile's defaults;
-#   2. debootstrap a minimal Debian bookworm without Python (as debian:bookworm-slim, the Dockerfile's default base:
+#   2. mmdebstrap a minimal Debian bookworm without Python (as debian:bookworm-slim, the Dockerfile's default base:
 #      the build installs python3 and python3-venv with apt) and import it into buildah as the base image;
 #   3. `buildah bud --isolation chroot` of the Dockerfile with nothing but that base: torch 2.13.0 from PyPI (a CUDA
 #      build, its CUDA runtime libraries as nvidia-* wheels), bitsandbytes, the project and its gpu extra;
@@ -86,7 +86,7 @@ EOF
     fail "docker-compose.yml's GPU reservations or build arguments are not as documented"
 say "time compose=$((SECONDS - t))s"
 
-# --- 2. the base: a debootstrapped Debian bookworm without Python, like debian:bookworm-slim -----------------------
+# --- 2. the base: a minimal Debian bookworm without Python (mmdebstrap), like debian:bookworm-slim ----------------
 make_base "$BASE_TAG" ca-certificates
 
 # --- 3. the build: the Dockerfile's defaults, from PyPI (or IMAGE_CUDA_WHEELS) ---------------------------------------

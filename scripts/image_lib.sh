@@ -1,5 +1,5 @@
 # Helpers shared by scripts/image_smoke.sh (the cpu image) and scripts/image_cuda.sh (the cuda image): sourced, not
-# run. Each builds the Dockerfile with buildah on a debootstrapped Debian base, without a Docker engine or a
+# run. Each builds the Dockerfile with buildah on a Debian base made by mmdebstrap, without a Docker engine or a
 # container registry, in one temporary work folder that `cleanup` removes.
 #
 # The sourcing script sets PREFIX (the word its report lines start with, e.g. SMOKE) and REPO before sourcing, then
@@ -20,12 +20,12 @@ fail() {
     exit 1
 }
 
-# need_buildah [PACKAGE...]: root, buildah and debootstrap (and the extra Debian packages), mount namespaces.
+# need_buildah [PACKAGE...]: root, buildah and mmdebstrap (and the extra Debian packages), mount namespaces.
 need_buildah() {
-    [ "$(id -u)" = 0 ] || skip "not root: debootstrap and buildah's chroot isolation need root"
+    [ "$(id -u)" = 0 ] || skip "not root: mmdebstrap and buildah's chroot isolation need root"
     local missing=() apt_started package
     command -v buildah >/dev/null || missing+=(buildah)
-    command -v debootstrap >/dev/null || missing+=(debootstrap)
+    command -v mmdebstrap >/dev/null || missing+=(mmdebstrap)
     for package in "$@"; do command -v "$package" >/dev/null || missing+=("$package"); done
     if [ "${#missing[@]}" -gt 0 ]; then
         command -v apt-get >/dev/null || skip "${missing[*]} missing and no apt-get to install them"
@@ -84,22 +84,22 @@ start_work() {
 }
 
 # make_base TAG PACKAGES: a minimal Debian bookworm with PACKAGES (comma-separated), imported as image TAG.
+# mmdebstrap, not debootstrap: half the CPU time (34 against 73 CPU-s here, 36 against 63 s alone; debootstrap is a
+# shell script that forks for every file it looks at), no apt caches or lists left in the image, and the root
+# filesystem comes as a tar stream, unpacked straight into the image instead of into a folder copied in after.
 make_base() {
     local tag=$1 packages=$2 t=$SECONDS ctr mnt
-    debootstrap --variant=minbase --include="$packages" bookworm "$WORK/rootfs" "$MIRROR" \
-        >"$WORK/debootstrap.log" 2>&1 || {
-        tail -20 "$WORK/debootstrap.log"
-        fail "debootstrap from $MIRROR failed"
-    }
-    rm -rf "$WORK"/rootfs/var/cache/apt/archives/*.deb "$WORK"/rootfs/var/lib/apt/lists/*
     ctr="$("${B[@]}" from scratch)"
     mnt="$("${B[@]}" mount "$ctr")"
-    tar -C "$WORK/rootfs" --numeric-owner -cf - . | tar -C "$mnt" --numeric-owner -xf -
+    mmdebstrap --quiet --variant=minbase --include="$packages" bookworm - "$MIRROR" 2>"$WORK/mmdebstrap.log" |
+        tar -C "$mnt" --numeric-owner -xf - || {
+        tail -20 "$WORK/mmdebstrap.log"
+        fail "mmdebstrap from $MIRROR failed"
+    }
     "${B[@]}" umount "$ctr" >/dev/null
-    rm -rf "$WORK/rootfs"
     "${B[@]}" config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --cmd /bin/bash "$ctr"
     "${B[@]}" commit --quiet --rm "$ctr" "$tag" >/dev/null
-    say "time debootstrap=$((SECONDS - t))s (base $tag)"
+    say "time base=$((SECONDS - t))s (mmdebstrap, image $tag)"
 }
 
 # check_config IMAGE: the entry point, default command, user, workdir, volume and ports the Dockerfile documents.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Smoke test of the Dockerfile on a machine without a Docker engine or a reachable container registry:
 #
-#   1. debootstrap a minimal Debian bookworm (python3, python3-venv) and import it into buildah as the base image;
+#   1. mmdebstrap a minimal Debian bookworm (python3, python3-venv) into a buildah base image;
 #   2. build a wheelhouse from this machine's pip (torch 2.13.0 CPU, hivemind's wheel, every dependency);
 #   3. `buildah bud --isolation chroot` the Dockerfile's cpu variant on that base, installing from the wheelhouse;
 #   4. check the image's config (entry point, user, volume, ports), then `buildah run` it: `sentinel-node --help`,
@@ -36,7 +36,7 @@ need_buildah
 started=$SECONDS
 start_work sentinel-image-smoke
 
-# --- 1. the base image: a debootstrapped Debian bookworm ----------------------------------------------------------
+# --- 1. the base image: a minimal Debian bookworm (mmdebstrap) -----------------------------------------------------
 make_base "$BASE_TAG" python3,python3-venv,ca-certificates
 
 # --- 2. the wheelhouse: what the image installs, from this machine's pip (its local wheels and caches) ----------
@@ -61,7 +61,7 @@ if [ -n "$py" ] && "$py" -c 'import sys, platform; sys.exit(sys.version_info[:2]
     }
     # the rest, from pip's indexes (hivemind from its wheel; sdists are built into wheels here)
     "$py" -m pip wheel --quiet --wheel-dir "$WORK/wheels" --find-links "$WORK/wheels" --only-binary hivemind,torch \
-        "$torch_req" -r "$WORK/requirements.txt" "setuptools>=68" wheel >>"$WORK/wheels.log" 2>&1 || {
+        "$torch_req" -r "$WORK/requirements.txt" "setuptools>=77" wheel >>"$WORK/wheels.log" 2>&1 || {
         tail -20 "$WORK/wheels.log"
         fail "could not build the wheelhouse with $py"
     }

@@ -1,11 +1,11 @@
-"""The container image: scripts/image_smoke.sh builds the Dockerfile's cpu variant with buildah (on a debootstrapped
-Debian base, from a wheelhouse of this machine's pip) and runs it: ``sentinel-node --help``, then
+"""The container image: scripts/image_smoke.sh builds the Dockerfile's cpu variant with buildah (on a minimal Debian
+base made by mmdebstrap, from a wheelhouse of this machine's pip) and runs it: ``sentinel-node --help``, then
 docker-compose.yml's bootstrap and verifier0 services, each in a container of the image, with real hivemind DHTs
 and p2pd daemons, checked with ``sentinel-node swarm status`` and their metrics.
 
 It takes about four minutes, mostly downloads, pip installs and the image commit; ``make test`` runs it beside
 the rest of the suite (marker ``image``). It is skipped only where buildah cannot run at all (the script exits 77:
-not root, no apt to install buildah and debootstrap, no mount namespaces).
+not root, no apt to install buildah and mmdebstrap, no mount namespaces).
 """
 
 from __future__ import annotations
