@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test test-suite test-network test-swarms test-side test-isolated test-long test-image image-smoke image-cuda test-quick fuzz lint format bench soak clean
+.PHONY: install demo test test-suite test-network test-swarms test-swarms-isolated test-isolated test-long test-image image-smoke image-cuda test-quick fuzz lint format bench soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,19 +38,20 @@ format: $(STAMP)
 
 # `make test` runs three pytest streams side by side: make -j3 starts them, --output-sync prints each one's output
 # whole when it ends, and make fails if any fails.
-# - test-swarms: the modules that train a swarm of real processes for many steps (tests/conftest.py, SWARMS);
-# - test-network: the other network tests (DHT nodes, subprocesses, network namespaces), which mostly wait;
-# - test-side, at a lower CPU priority (nice) so the network tests' timing keeps the cores: the image test
-#   (tests/test_image.py: scripts/image_smoke.sh debootstraps a base, builds the cpu image with buildah and runs
-#   docker-compose.yml's bootstrap and a verifier in it; 233 CPU-s in 244 s alone, one serial chain), then the
-#   isolated modules (in-process only: the simulator, verification, the CLI's simulate and bench; tests/conftest.py,
-#   ISOLATED) in two worker processes (pytest-xdist), so that once alone they finish on both cores.
-# Each stream runs without pytest's cache, which the others would write meanwhile. On 2 idle cores the suite needs
-# about 1,580 CPU-s, so no layout gets under about 800 s; this one took 924 s at its first run (after a pip
-# reinstall), the old two streams 911-1,077 s and four streams 929 s (docs/decisions.md, "The suite's streams").
-# test-suite runs the whole suite but the image test in one process.
+# - test-network: the network tests but the training swarms (DHT nodes, subprocesses, network namespaces), which
+#   mostly wait;
+# - test-swarms-isolated: the modules that train a swarm of real processes for many steps (tests/conftest.py,
+#   SWARMS), then the isolated modules (in-process only: the simulator, verification, the CLI's simulate and bench;
+#   tests/conftest.py, ISOLATED) in two worker processes (pytest-xdist), niced, so that once alone they finish on
+#   both cores;
+# - test-image, niced (so the network tests' timing keeps the cores): scripts/image_smoke.sh makes a Debian base
+#   with mmdebstrap, builds the cpu image with buildah and runs docker-compose.yml's bootstrap and a verifier in it
+#   (230 CPU-s in 246 s alone, one serial chain).
+# The isolated modules used to follow the image test; the swarms end first (492 s against 673 at d9f0788), so they
+# follow the swarms now (docs/decisions.md, "The suite's time at 2026-12-08"). Each stream runs without pytest's
+# cache, which the others would write meanwhile. test-suite runs the whole suite but the image test in one process.
 test: lint
-	@$(MAKE) --no-print-directory -j3 --output-sync=target test-network test-swarms test-side
+	@$(MAKE) --no-print-directory -j3 --output-sync=target test-network test-swarms-isolated test-image
 
 test-suite: $(STAMP)
 	$(BIN)/python -m pytest -q -ra --durations=30 -m "not image and not long"
@@ -58,17 +59,18 @@ test-suite: $(STAMP)
 test-network: $(STAMP)
 	$(BIN)/python -m pytest -q -ra --durations=20 -p no:cacheprovider -m "not image and not long and not isolated and not swarm"
 
+SWARM_TESTS := $(BIN)/python -m pytest -q -ra --durations=10 -p no:cacheprovider -m "swarm and not long"
 test-swarms: $(STAMP)
-	$(BIN)/python -m pytest -q -ra --durations=10 -p no:cacheprovider -m "swarm and not long"
+	$(SWARM_TESTS)
 
 IMAGE_TESTS := nice -n 10 $(BIN)/python -m pytest -q -rA -p no:cacheprovider -m image
 ISOLATED_TESTS := nice -n 10 $(BIN)/python -m pytest -q -ra --durations=15 -p no:cacheprovider -n 2 --dist loadfile \
 	-m "isolated and not long"
 
-# one after the other (as prerequisites, -j3 could start them side by side with the network streams)
-test-side: $(STAMP)
-	$(IMAGE_TESTS)
-	$(ISOLATED_TESTS)
+# one after the other (as prerequisites, -j3 could start them side by side with the other streams); the isolated
+# modules run even when a swarm test failed, and the target fails if either did
+test-swarms-isolated: $(STAMP)
+	$(SWARM_TESTS); swarms=$$?; $(ISOLATED_TESTS) && exit $$swarms
 
 test-image: $(STAMP)
 	$(IMAGE_TESTS)
