@@ -22,7 +22,7 @@ import time
 from hivemind.p2p import PeerID
 
 from dht import ephemeral_identity
-from sentinel_node.roles.common import start_dht, stop_dht
+from sentinel_node.roles.common import NodeStartError, start_dht, stop_dht
 from sentinel_node.roles.reachability import REACH_CHECK, ReachReply, ReachRequest, serve_reachability
 from sentinel_node.transport import TensorServer, TransportSettings, call_peer
 
@@ -96,14 +96,23 @@ def main() -> None:
     role, ip = sys.argv[1], sys.argv[2]
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    dht = start_dht(
-        None,
-        ephemeral_identity(),
-        initial_peers=sys.argv[3:4],
-        host_maddrs=[f"/ip4/{ip}/tcp/31337"],
-        check_identity=False,
-        use_auto_relay=role == "hidden",
-    )
+    for attempt in range(2):
+        try:
+            dht = start_dht(
+                None,
+                ephemeral_identity(),
+                initial_peers=sys.argv[3:4],
+                host_maddrs=[f"/ip4/{ip}/tcp/31337"],
+                check_identity=False,
+                use_auto_relay=role == "hidden",
+            )
+            break
+        except NodeStartError:
+            # p2pd gives up on its first dial of the bootstrap within its own deadline: seen once on a loaded
+            # machine, for the hidden host; what this peer is for (relays) starts once it has joined
+            if attempt == 1 or stop.is_set():
+                raise
+            time.sleep(2.0)
     try:
         say(role=role, maddrs=[str(m) for m in dht.get_visible_maddrs()], peer_id=str(dht.peer_id))
         target = sys.stdin.readline().strip() if role == "caller" else None
