@@ -16,7 +16,7 @@ $(BIN)/python:
 # (48 s on two), with the project's own modules, which an editable install leaves to each import (to every one where
 # PYTHONDONTWRITEBYTECODE is set, as on this machine). Its status is ignored: a file that only newer Pythons parse
 # (torch ships one) fails, as it does silently under pip, and a module without bytecode is imported from source
-# (docs/decisions.md, "Byte-compiling at install").
+# (docs/decisions.md, "The suite's time at 2026-12-08").
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --no-compile $(TORCH_PIN)
 	$(BIN)/pip install -q --no-compile --only-binary hivemind -e '.[dev]'

@@ -8,7 +8,8 @@ process that imports it; importing is what decides which modules those are, so t
 root user, with bytecode writing on whatever the environment says). Modules imported later, on a path a command
 takes only sometimes, start a little slower; nothing else changes.
 
-    python scripts/compile_imports.py      # prints how many modules have bytecode now
+    python scripts/compile_imports.py            # compiles; prints how many modules have bytecode now
+    python scripts/compile_imports.py --check    # writes nothing; fails if a module a node imports has none
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ import os
 import py_compile
 import sys
 from pathlib import Path
-
-sys.dont_write_bytecode = False  # before any import below: PYTHONDONTWRITEBYTECODE must not leave them uncompiled
 
 # Every command's entry and the roles' modules, and what they import only when called: data (datasets, tokenizers),
 # checkpoints (safetensors), plots (matplotlib), the status page (uvicorn), real models from the hub.
@@ -40,26 +39,49 @@ MODULES = (
     "huggingface_hub",
     "transformers.models.auto.tokenization_auto",
 )
+# What every node imports: --check wants bytecode for all of it.
+NODE_MODULES = MODULES[:5]
 PACKAGES = ("sentinel_node", "dht", "peers")
 
 
-def main() -> int:
+def imported_from_source() -> tuple[list[tuple[str, str]], int]:
+    """(source, bytecode path) of each imported module whose bytecode file is missing, and how many imported
+    modules have a bytecode path at all."""
+    cached = []
+    for module in list(sys.modules.values()):
+        source, path = getattr(module, "__file__", None), getattr(module, "__cached__", None)
+        if isinstance(source, str) and source.endswith(".py") and isinstance(path, str):
+            cached.append((source, path))
+    return [(source, path) for source, path in cached if not os.path.exists(path)], len(cached)
+
+
+def compile_all() -> int:
+    """Imports MODULES with bytecode writing on, compiles what was imported before this ran (site's .pth hooks)
+    and the project's packages; 0 when every imported module has bytecode."""
+    sys.dont_write_bytecode = False  # PYTHONDONTWRITEBYTECODE must not leave them uncompiled
     os.environ.setdefault("MPLBACKEND", "Agg")
     for name in MODULES:
         importlib.import_module(name)
-    # what Python imported before this script ran (site's .pth hooks) was not written
-    for module in list(sys.modules.values()):
-        source, cached = getattr(module, "__file__", None), getattr(module, "__cached__", None)
-        written = isinstance(cached, str) and os.path.exists(cached)
-        if isinstance(source, str) and source.endswith(".py") and isinstance(cached, str) and not written:
-            py_compile.compile(source, cfile=cached, quiet=1)
+    for source, path in imported_from_source()[0]:
+        py_compile.compile(source, cfile=path, quiet=1)
     root = Path(__file__).resolve().parent.parent
     ok = all(compileall.compile_dir(root / package, quiet=1) for package in PACKAGES)
-    cached = [path for m in list(sys.modules.values()) if isinstance(path := getattr(m, "__cached__", None), str)]
-    compiled = sum(os.path.exists(path) for path in cached)
-    print(f"bytecode for {compiled} of the {len(cached)} modules imported, and for {', '.join(PACKAGES)}")
-    return 0 if ok and compiled == len(cached) else 1
+    missing, total = imported_from_source()
+    print(f"bytecode for {total - len(missing)} of the {total} modules imported, and for {', '.join(PACKAGES)}")
+    return 0 if ok and not missing else 1
+
+
+def check() -> int:
+    """Imports what every node imports, writing nothing; 0 when all of it had bytecode (the image's smoke test, as
+    the image's user)."""
+    sys.dont_write_bytecode = True
+    for name in NODE_MODULES:
+        importlib.import_module(name)
+    missing, total = imported_from_source()
+    names = [Path(source).name for source, _ in missing[:5]]
+    print(f"bytecode for {total - len(missing)} of the {total} modules a node imports; without: {names}")
+    return 1 if missing else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(check() if sys.argv[1:] == ["--check"] else compile_all())

@@ -95,12 +95,9 @@ run python -c 'import torch, hivemind; print("SMOKE run versions: torch", torch.
     hivemind.__version__, "cuda", torch.version.cuda)'
 # the image compiles only what the commands import (scripts/compile_imports.py): a node's imports must all be there,
 # or every container start compiles them again (its user cannot write to the venv)
-run python -c 'import os, sys
-import sentinel_node.cli.main, sentinel_node.roles.stage, sentinel_node.roles.trainer, sentinel_node.roles.verifier
-cached = [m.__name__ for m in list(sys.modules.values()) if isinstance(getattr(m, "__cached__", None), str)]
-missing = [name for name in cached if not os.path.exists(sys.modules[name].__cached__)]
-print("SMOKE run bytecode:", len(cached) - len(missing), "of", len(cached), "modules a node imports; without:", missing[:5])
-sys.exit(bool(missing))' || fail "modules a node imports have no bytecode in the image (scripts/compile_imports.py)"
+bytecode="$(run python /opt/sentinel-node/scripts/compile_imports.py --check)" ||
+    fail "modules a node imports have no bytecode in the image (scripts/compile_imports.py): $bytecode"
+say "run $bytecode"
 help="$(run sentinel-node --help)" || fail "sentinel-node --help failed"
 for command in join demo simulate swarm bench; do
     grep -qE "^  $command " <<<"$help" || fail "sentinel-node --help lists no '$command': $help"
